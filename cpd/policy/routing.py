@@ -1,0 +1,246 @@
+"""Cache-aware routing policy (DESIGN §3, §4): pure code, no I/O, no clock, no threads.
+
+The live router (``cpd.router``) and the simulator (``cpd.sim``) import this very
+module. Inputs are snapshots; the output is a :class:`RouteDecision` value.
+
+Decision, per request:
+
+1. For each candidate prefill-side worker ``w``, the usable cached prefix is the
+   longest leading run of blocks found in ``w``'s L1, ``w``'s L2 or the global L3
+   (visible blocks only). Blocks are taken from the nearest tier holding them:
+   L1 ``[0, a)``, then L2 ``[a, b)``, then L3 ``[max(a, b), c)``.
+2. Load versus recompute (DESIGN §4): a tier's segment is loaded only if
+   ``bytes / bandwidth + overhead`` is below the modeled recompute time of those
+   tokens on top of the prefix before it; otherwise that segment and everything
+   after it are recomputed (a later block's KV needs the earlier ones).
+3. Reuse ratio = best usable cached tokens over all candidates / prompt tokens.
+   ``cold`` if below ``cold_threshold`` (default 0.5), else ``warm``.
+4. ``cpd`` topology: cold → pre-prefill pool, warm → prefill pool (isolation).
+   ``pd`` topology: everything → prefill pool. An empty pool falls back to the other.
+5. Within the pool, pick the worker with the smallest estimated TTFT:
+   queued prefill time + load time + compute time of the uncached suffix
+   (ties: fewer running requests, then worker id). This mirrors Dynamo's KV router
+   cost (overlap credit vs load) expressed in seconds.
+6. Decode worker: fewest running requests, then lowest KV use, then id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+ROLE_PRE_PREFILL = "pre-prefill"
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+TIERS = ("L1", "L2", "L3")
+
+
+class CostModel(Protocol):
+    """What the policy needs to know about compute and transfers (seconds, bytes)."""
+
+    kv_bytes_per_token: int
+
+    def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        """Time to compute ``num_new_tokens`` on top of ``num_cached_tokens`` of prefix."""
+        ...
+
+    def load_time_s(self, tier: str, num_bytes: int) -> float:
+        """Time to load ``num_bytes`` of KV from ``tier`` (``"L2"`` or ``"L3"``); L1 is free."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """Load snapshot of one worker.
+
+    Attributes:
+        worker_id: unique id.
+        role: ``pre-prefill`` | ``prefill`` | ``decode``.
+        queued_prefill_tokens: prompt tokens waiting or in progress (not yet computed).
+        running_requests: requests admitted and not finished.
+        kv_usage: fraction of the L1 pool in use, in [0, 1].
+        healthy: False excludes the worker.
+    """
+
+    worker_id: str
+    role: str
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading blocks of the request held per tier (visible blocks only).
+
+    Attributes:
+        l1: worker_id → leading blocks in that worker's L1.
+        l2: worker_id → leading blocks in that worker's L2.
+        l3: leading blocks visible in the shared L3 store.
+    """
+
+    l1: Mapping[str, int] = field(default_factory=dict)
+    l2: Mapping[str, int] = field(default_factory=dict)
+    l3: int = 0
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    topology: str = "cpd"  # "cpd" | "pd"
+    cold_threshold: float = 0.5
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Which leading blocks come from which tier; the rest is recomputed.
+
+    ``l1_blocks + l2_blocks + l3_blocks`` leading blocks are loaded, in that order.
+    """
+
+    l1_blocks: int = 0
+    l2_blocks: int = 0
+    l3_blocks: int = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.l1_blocks + self.l2_blocks + self.l3_blocks
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Output of :func:`route`.
+
+    Attributes:
+        request_class: ``cold`` | ``warm``.
+        pool: role of the chosen prefill-side pool.
+        prefill_worker / decode_worker: chosen worker ids (decode may be None if no decode pool).
+        load_plan: prefix blocks to load per tier on the chosen worker.
+        reuse_ratio: best usable cached tokens / prompt tokens, in [0, 1].
+        estimated_ttft_s: the policy's estimate for the chosen worker.
+        reasons: short strings for logs and metrics.
+    """
+
+    request_class: str
+    pool: str
+    prefill_worker: str
+    decode_worker: str | None
+    load_plan: LoadPlan
+    reuse_ratio: float
+    estimated_ttft_s: float
+    reasons: tuple[str, ...] = ()
+
+
+class NoWorkerError(RuntimeError):
+    """No healthy worker can take the request (the router answers 503)."""
+
+
+def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: RoutingConfig,
+               cost: CostModel) -> tuple[LoadPlan, list[str]]:
+    """Load plan for one worker after the load-versus-recompute check.
+
+    At most ``(num_prompt_tokens - 1) // block_size`` blocks are loaded: at least one
+    prompt token is always computed, to produce the first output token's logits.
+    """
+    bs = cfg.block_size
+    cap = max(0, (num_prompt_tokens - 1) // bs)
+    a = min(match.l1.get(worker_id, 0), cap)
+    b = min(match.l2.get(worker_id, 0), cap)
+    c = min(match.l3, cap)
+    reasons: list[str] = []
+    segments = [("L1", 0, a), ("L2", a, max(a, b)), ("L3", max(a, b), max(a, b, c))]
+    loaded = {"L1": 0, "L2": 0, "L3": 0}
+    for tier, lo, hi in segments:
+        n = hi - lo
+        if n <= 0:
+            continue
+        if tier != "L1":
+            t_load = cost.load_time_s(tier, n * bs * cost.kv_bytes_per_token)
+            t_comp = cost.prefill_time_s(n * bs, lo * bs)
+            if t_load >= t_comp:
+                reasons.append(f"recompute-{tier}:{n}blk")
+                break
+        loaded[tier] = n
+    return LoadPlan(loaded["L1"], loaded["L2"], loaded["L3"]), reasons
+
+
+def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig,
+                     cost: CostModel) -> float:
+    cached = plan.num_cached_blocks * cfg.block_size
+    t = cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
+    for tier, n in (("L2", plan.l2_blocks), ("L3", plan.l3_blocks)):
+        if n:
+            t += cost.load_time_s(tier, n * cfg.block_size * cost.kv_bytes_per_token)
+    return t + cost.prefill_time_s(num_prompt_tokens - cached, cached)
+
+
+def _pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
+    ds = [w for w in loads if w.role == ROLE_DECODE and w.healthy]
+    if not ds:
+        return None
+    return min(ds, key=lambda w: (w.running_requests, w.kv_usage, w.worker_id)).worker_id
+
+
+def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad], cfg: RoutingConfig,
+          cost: CostModel) -> RouteDecision:
+    """Choose pool, prefill-side worker, load plan and decode worker for one request.
+
+    Args:
+        num_prompt_tokens: prompt length (>= 1).
+        match: per-tier leading-block matches of the request's block hashes.
+        loads: one snapshot per worker.
+        cfg: topology and thresholds.
+        cost: cost model (the live router's is measured; the simulator's is a roofline).
+    Raises:
+        NoWorkerError: no healthy prefill-side worker.
+    """
+    prefill_side = [w for w in loads if w.healthy and w.role in (ROLE_PRE_PREFILL, ROLE_PREFILL)]
+    if not prefill_side:
+        raise NoWorkerError("no healthy prefill or pre-prefill worker")
+    plans = {w.worker_id: plan_loads(w.worker_id, match, num_prompt_tokens, cfg, cost) for w in prefill_side}
+    best_cached = max(p.num_cached_blocks for p, _ in plans.values()) * cfg.block_size
+    reuse = min(1.0, best_cached / max(1, num_prompt_tokens))
+    cls = "warm" if reuse >= cfg.cold_threshold else "cold"
+    want = ROLE_PRE_PREFILL if (cfg.topology == "cpd" and cls == "cold") else ROLE_PREFILL
+    pool = [w for w in prefill_side if w.role == want]
+    reasons = [f"{cls}:reuse={reuse:.2f}"]
+    if not pool:
+        reasons.append(f"fallback:no-{want}")
+        pool = prefill_side
+    scored = []
+    for w in pool:
+        plan = plans[w.worker_id][0]
+        t = _estimate_ttft_s(w, plan, num_prompt_tokens, cfg, cost)
+        scored.append((t, w.running_requests, w.worker_id, plan, w.role))
+    t, _, wid, plan, role = min(scored)
+    reasons.extend(plans[wid][1])
+    return RouteDecision(cls, role, wid, _pick_decode(loads), plan, reuse, t, tuple(reasons))
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """A measured linear cost model for live routing (the simulator has a roofline).
+
+    prefill time = num_new_tokens / prefill_tokens_per_s * (1 + attn_coeff * (cached + new/2)),
+    load time = bytes / bandwidth(tier) + overhead(tier). Rates come from measured
+    transfers (EWMA, see ``cpd.router.estimates``).
+    """
+
+    kv_bytes_per_token: int
+    prefill_tokens_per_s: float = 2000.0
+    attn_coeff: float = 0.0
+    l2_bytes_per_s: float = 5e9
+    l3_bytes_per_s: float = 1e9
+    l2_overhead_s: float = 1e-4
+    l3_overhead_s: float = 2e-3
+
+    def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        ctx = num_cached_tokens + num_new_tokens / 2
+        return num_new_tokens / self.prefill_tokens_per_s * (1.0 + self.attn_coeff * ctx)
+
+    def load_time_s(self, tier: str, num_bytes: int) -> float:
+        if tier == "L2":
+            return num_bytes / self.l2_bytes_per_s + self.l2_overhead_s
+        return num_bytes / self.l3_bytes_per_s + self.l3_overhead_s
