@@ -1,0 +1,113 @@
+"""Transport of KV events: ZMQ PUB on each worker, SUB in the router.
+
+Wire format is vLLM's (see :mod:`cpd.kv.events`): multipart ``[topic, seq, payload]``.
+The publisher owns its socket in one thread (ZMQ sockets are not thread-safe); any
+thread may :meth:`EventPublisher.emit`. Events are batched per :meth:`flush` call
+(the worker flushes after every engine step).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import msgspec
+import zmq
+
+from cpd.kv.events import KVCacheEvent, decode_batch, encode_batch, pack_seq, unpack_seq
+
+TOPIC = b"kv-events"
+
+
+class EventPublisher:
+    """Batches events and publishes them on ``tcp://host:port`` (ZMQ PUB).
+
+    Attributes:
+        seq: sequence number of the last published batch (-1 before the first).
+    """
+
+    def __init__(self, endpoint: str):
+        self._ctx = zmq.Context.instance()
+        self._pending: list[KVCacheEvent] = []
+        self._lock = threading.Lock()
+        self._q: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        self.seq = -1
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self._thread = threading.Thread(target=self._run, name="kv-event-pub", daemon=True)
+        self._thread.start()
+
+    def emit(self, event: KVCacheEvent) -> None:
+        """Queue one event for the next batch (thread-safe)."""
+        with self._lock:
+            self._pending.append(event)
+
+    def flush(self) -> int:
+        """Publish pending events as one batch; returns the batch's seq (or current seq if none)."""
+        with self._lock:
+            if not self._pending:
+                return self.seq
+            events, self._pending = self._pending, []
+            self.seq += 1
+            self._q.put((self.seq, encode_batch(events)))
+            return self.seq
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                break
+            seq, payload = item
+            self._sock.send_multipart([TOPIC, pack_seq(seq), payload])
+        self._sock.close(0)
+
+    def close(self) -> None:
+        self.flush()
+        self._q.put(None)
+        self._thread.join(timeout=2)
+
+
+class EventSubscriber:
+    """Subscribes to many publishers and calls ``on_batch(worker_id, seq, batch)``
+    from its own thread. Endpoints can be added while running."""
+
+    def __init__(self, on_batch: Callable[[str, int, object], None]):
+        self._ctx = zmq.Context.instance()
+        self._on_batch = on_batch
+        self._endpoints: dict[str, str] = {}
+        self._add_q: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._stop = threading.Event()
+        self.num_decode_errors = 0
+        self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
+        self._thread.start()
+
+    def add(self, worker_id: str, endpoint: str) -> None:
+        self._add_q.put((worker_id, endpoint))
+
+    def _run(self) -> None:
+        socks: dict[zmq.Socket, str] = {}
+        poller = zmq.Poller()
+        while not self._stop.is_set():
+            while not self._add_q.empty():
+                wid, ep = self._add_q.get()
+                s = self._ctx.socket(zmq.SUB)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SUBSCRIBE, TOPIC)
+                s.connect(ep)
+                socks[s] = wid
+                poller.register(s, zmq.POLLIN)
+            for s, _ in poller.poll(50):
+                topic, seq, payload = s.recv_multipart()
+                try:
+                    batch = decode_batch(payload)
+                except msgspec.DecodeError:
+                    self.num_decode_errors += 1
+                    continue
+                self._on_batch(socks[s], unpack_seq(seq), batch)
+        for s in socks:
+            s.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)

@@ -1,0 +1,129 @@
+"""Assemble the router: OpenAI front + CPD backend + prefix index + metrics.
+
+The KV namespace comes from the workers (each reports the one its engine hashes
+with); the router refuses to start if they disagree, so router and workers always
+hash blocks identically.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from cpd.kv.block_hash import Namespace
+from cpd.kv.event_bus import EventSubscriber
+from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.router.dispatch import CPDBackend
+from cpd.router.estimates import CostEstimates
+from cpd.router.index import PrefixIndex
+from cpd.router.metrics import RouterMetrics
+from cpd.router.openai_api import create_app
+from cpd.router.workers import WorkerInfo, WorkerSet
+
+log = logging.getLogger("cpd.router")
+
+
+class Router:
+    """Holds the router's state; :meth:`app` builds the FastAPI application."""
+
+    def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
+                 max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
+                 max_in_flight: int = 256):
+        self.workers = WorkerSet(workers)
+        self.index = PrefixIndex()
+        self.metrics = RouterMetrics()
+        self.cfg = RoutingConfig(topology=topology, cold_threshold=cold_threshold, block_size=namespace.block_size)
+        self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token))
+        self.namespace = namespace
+        self.tokenizer_dir = tokenizer_dir
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_in_flight = max_in_flight
+        self.subscriber: EventSubscriber | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.backend: CPDBackend | None = None
+        self._resync_pending: set[str] = set()
+        self.workers.on_unhealthy = self.index.drop_worker
+
+    def _on_batch(self, worker_id: str, seq: int, batch) -> None:
+        if not self.index.apply_batch(worker_id, seq, batch):
+            self._resync_pending.add(worker_id)
+
+    async def resync(self, worker_id: str) -> None:
+        """Rebuild one worker's L1/L2 index entries from its snapshot."""
+        w = self.workers.by_id[worker_id]
+        try:
+            r = await self.client.get(f"{w.url}/kv_snapshot", timeout=5.0)
+            snap = r.json()
+            self.index.replace_worker(worker_id, snap["l1"], snap["l2"], seq=snap["seq"])
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            log.warning("resync of %s failed: %r", worker_id, e)
+
+    async def _maintenance(self) -> None:
+        while True:
+            for wid in list(self._resync_pending):
+                self._resync_pending.discard(wid)
+                await self.resync(wid)
+            for tier, n in self.index.sizes().items():
+                self.metrics.index_blocks.labels(tier).set(n)
+            await asyncio.sleep(0.2)
+
+    def app(self) -> FastAPI:
+        router = self
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024,
+                                                                  max_keepalive_connections=256))
+            router.backend.client = router.client
+            router.subscriber = EventSubscriber(router._on_batch)
+            for w in router.workers.by_id.values():
+                router.subscriber.add(w.worker_id, w.events_endpoint)
+            await asyncio.sleep(0.2)  # let SUB sockets connect before the snapshot
+            await asyncio.gather(*(router.resync(w) for w in router.workers.by_id))
+            tasks = [asyncio.create_task(router.workers.run_poller(router.client)),
+                     asyncio.create_task(router._maintenance())]
+            yield
+            for t in tasks:
+                t.cancel()
+            router.subscriber.close()
+            await router.client.aclose()
+
+        self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates, self.metrics,
+                                  client=None, max_in_flight=self.max_in_flight)
+        app = create_app(self.backend, self.tokenizer_dir, self.model_name, self.max_model_len)
+        app.router.lifespan_context = lifespan
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        @app.get("/cpd/workers")
+        async def workers():
+            return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy,
+                                  "queued_prefill_tokens": w.queued_prefill_tokens,
+                                  "running_requests": w.running_requests, "load": w.last_load}
+                    for w in router.workers.by_id.values()}
+
+        @app.get("/cpd/index")
+        async def index():
+            return router.index.sizes()
+
+        _replace_health(app, router)
+        return app
+
+
+def _replace_health(app: FastAPI, router: Router) -> None:
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
+
+    @app.get("/health")
+    async def health():
+        ws = router.workers.by_id.values()
+        ok = any(w.healthy and w.role != "decode" for w in ws) and any(w.healthy and w.role == "decode" for w in ws)
+        body = {"status": "ok" if ok else "degraded",
+                "workers": {w.worker_id: w.healthy for w in ws}}
+        return JSONResponse(body, status_code=200 if ok else 503)

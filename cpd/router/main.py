@@ -1,0 +1,38 @@
+"""Entry point of the router process: ``python -m cpd.router.main --config router.json``.
+
+The config (written by :mod:`cpd.deploy`) lists workers, the KV namespace they
+reported, the tokenizer directory, topology and listen address.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+import uvicorn
+
+from cpd.kv.block_hash import Namespace
+from cpd.router.app import Router
+from cpd.router.workers import WorkerInfo
+
+
+def build_router(cfg: dict) -> Router:
+    workers = [WorkerInfo(w["worker_id"], w["role"], w["url"], w["events_endpoint"]) for w in cfg["workers"]]
+    return Router(workers, Namespace(**cfg["namespace"]), cfg["tokenizer_dir"], cfg["model_name"],
+                  cfg["max_model_len"], cfg["kv_bytes_per_token"], topology=cfg.get("topology", "cpd"),
+                  cold_threshold=cfg.get("cold_threshold", 0.5), max_in_flight=cfg.get("max_in_flight", 256))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="cpd router")
+    p.add_argument("--config", required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
+    cfg = json.loads(open(a.config).read())
+    app = build_router(cfg).app()
+    uvicorn.run(app, host=cfg["host"], port=cfg["port"], log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

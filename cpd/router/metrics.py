@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router (prefix ``cpd_``), one registry per router."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class RouterMetrics:
+    """All router metrics. Label values: ``cls`` ∈ {warm, cold}; ``pool`` ∈ roles;
+    ``source`` ∈ {computed, L1, L2, L3}; ``tier`` ∈ {L1, L2, L3, handoff}."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft_s = Histogram("cpd_ttft_seconds", "Time to first token at the router",
+                                ["cls", "pool"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot_s = Histogram("cpd_tpot_seconds", "Time per output token after the first",
+                                buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=r)
+        self.queue_time_s = Histogram("cpd_queue_time_seconds", "Time a request waited in a worker queue",
+                                      ["pool"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("cpd_prompt_tokens_total", "Prompt tokens by source (computed or loaded per tier)",
+                                     ["source"], registry=r)
+        self.prefix_hits = Counter("cpd_prefix_hits_total", "Requests with a prefix loaded from each tier",
+                                   ["tier"], registry=r)
+        self.kv_bytes = Counter("cpd_kv_bytes_total", "KV bytes moved per tier and for handoff",
+                                ["tier"], registry=r)
+        self.requests = Counter("cpd_requests_total", "Requests by outcome", ["outcome"], registry=r)
+        self.routed = Counter("cpd_routed_total", "Routing decisions by class and pool", ["cls", "pool"], registry=r)
+        self.fallbacks = Counter("cpd_fallbacks_total", "Fallbacks by kind", ["kind"], registry=r)
+        self.load_decisions = Counter("cpd_load_vs_recompute_total",
+                                      "Policy choices to recompute a cached segment instead of loading it",
+                                      ["tier"], registry=r)
+        self.in_flight = Gauge("cpd_requests_in_flight", "Requests in flight", registry=r)
+        self.index_blocks = Gauge("cpd_index_blocks", "Blocks in the router's prefix index", ["tier"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""The router's view of its workers: addresses, health and load figures.
+
+Load figures the policy reads are kept by the router itself (exact and fresh):
+queued prefill tokens and running requests are incremented at dispatch and
+decremented when the work returns. KV pool use and health come from polling
+each worker's ``GET /load``.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import httpx
+
+from cpd.policy.routing import WorkerLoad
+
+
+@dataclass
+class WorkerInfo:
+    """One worker as the router knows it.
+
+    Attributes:
+        worker_id, role: identity (role ∈ pre-prefill | prefill | decode).
+        url: base URL of its internal HTTP API.
+        events_endpoint: ZMQ endpoint of its KV-event publisher.
+        queued_prefill_tokens: prompt tokens dispatched and not yet prefilled.
+        running_requests: requests dispatched and not finished on this worker.
+        kv_usage: last polled L1 use in [0, 1].
+        healthy: False after a failed poll or request, True again after a good poll.
+    """
+
+    worker_id: str
+    role: str
+    url: str
+    events_endpoint: str
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    kv_usage: float = 0.0
+    healthy: bool = True
+    last_load: dict = field(default_factory=dict)
+
+    def snapshot(self) -> WorkerLoad:
+        return WorkerLoad(self.worker_id, self.role, self.queued_prefill_tokens, self.running_requests,
+                          self.kv_usage, self.healthy)
+
+
+class WorkerSet:
+    """All workers, with a background poller of ``/load``."""
+
+    def __init__(self, workers: list[WorkerInfo], poll_interval_s: float = 0.5):
+        self.by_id = {w.worker_id: w for w in workers}
+        self.poll_interval_s = poll_interval_s
+        self._task: asyncio.Task | None = None
+        self.on_unhealthy = None  # callback(worker_id) -> None
+
+    def snapshots(self) -> list[WorkerLoad]:
+        return [w.snapshot() for w in self.by_id.values()]
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        w = self.by_id[worker_id]
+        if w.healthy and self.on_unhealthy is not None:
+            self.on_unhealthy(worker_id)
+        w.healthy = False
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        async def one(w: WorkerInfo):
+            try:
+                r = await client.get(f"{w.url}/load", timeout=2.0)
+                r.raise_for_status()
+                w.last_load = r.json()
+                w.kv_usage = float(w.last_load.get("kv_usage", 0.0))
+                w.healthy = True
+            except (httpx.HTTPError, ValueError):
+                self.mark_unhealthy(w.worker_id)
+        await asyncio.gather(*(one(w) for w in self.by_id.values()))
+
+    async def run_poller(self, client: httpx.AsyncClient) -> None:
+        while True:
+            await self.poll_once(client)
+            await asyncio.sleep(self.poll_interval_s)

@@ -1,0 +1,193 @@
+"""A worker process: one role, one engine, an internal HTTP API for the router.
+
+Internal API (JSON; not OpenAI — only the router calls it):
+
+- ``POST /prefill``  body: request_id, prompt_token_ids, sampling, cache_salt,
+  max_l3_blocks, write_through. Runs the prompt to its first token, stages the
+  request's KV for handoff and answers ``{first_token_ids, finish_reason,
+  num_cached_tokens_by_tier, handoff, prefill_s, queue_s, kv_bytes}``. If the caller
+  disconnects first, the request is aborted and its blocks freed.
+- ``POST /decode``   body: request_id, token_ids (prompt + first token), sampling,
+  handoff. Fetches the KV (shared memory on one host, TCP otherwise), continues
+  decoding and streams NDJSON lines ``{"token_ids": [...], "finish_reason": ...}``.
+  Disconnect aborts.
+- ``POST /handoff/release`` body: request_id — frees staged handoff memory.
+- ``GET /load``, ``GET /health``, ``GET /kv_snapshot``, ``POST /reset_prefix_cache``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cpd.worker.runtime import EngineRunner
+
+
+def _sampling(d: dict[str, Any]):
+    from cpd.engine.sampling import SamplingParams
+    return SamplingParams(**d)
+
+
+class WorkerState:
+    """Everything one worker process holds."""
+
+    def __init__(self, role: str, worker_id: str, engine, runner: EngineRunner, handoff_sender, handoff_receiver,
+                 publisher, connector=None):
+        self.role = role
+        self.worker_id = worker_id
+        self.engine = engine
+        self.runner = runner
+        self.sender = handoff_sender
+        self.receiver = handoff_receiver
+        self.publisher = publisher
+        self.connector = connector
+        self.http = httpx.AsyncClient(timeout=10.0)
+
+
+async def _next_output(stream, request: Request):
+    """Wait for the next engine output, aborting if the HTTP client went away."""
+    while True:
+        try:
+            item = await asyncio.wait_for(stream.queue.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ConnectionAbortedError
+            continue
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"engine failed: {item!r}")
+        return item
+
+
+def build_app(st: WorkerState) -> FastAPI:
+    app = FastAPI(title=f"cpd worker {st.worker_id}")
+
+    @app.get("/health")
+    async def health():
+        err = st.runner.last_error
+        if err is not None:
+            return JSONResponse({"status": "error", "error": repr(err)}, status_code=500)
+        return {"status": "ok", "role": st.role, "worker_id": st.worker_id}
+
+    @app.get("/load")
+    async def load():
+        return {"role": st.role, "worker_id": st.worker_id, **st.engine.load_stats(),
+                "pool": st.engine.pool_stats(), "handoff": st.sender.stats() if st.sender else None,
+                "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {})}
+
+    @app.get("/kv_snapshot")
+    async def kv_snapshot():
+        with st.runner.engine_lock:
+            snap = st.engine.cached_block_hashes()
+            seq = st.publisher.flush() if st.publisher else -1
+        return {"seq": seq, "l1": snap.get("L1", []), "l2": snap.get("L2", [])}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        with st.runner.engine_lock:
+            st.engine.reset_prefix_cache()
+        return {"ok": True}
+
+    @app.post("/prefill")
+    async def prefill(body: dict, request: Request):
+        return await _prefill(st, body, request)
+
+    @app.post("/handoff/release")
+    async def release(body: dict):
+        if st.sender is not None:
+            st.sender.release(body["request_id"])
+        return {"ok": True}
+
+    @app.post("/decode")
+    async def decode(body: dict, request: Request):
+        return await _decode(st, body, request)
+
+    @app.on_event("shutdown")
+    async def _shutdown():
+        await st.http.aclose()
+
+    return app
+
+
+async def _prefill(st: WorkerState, body: dict, request: Request):
+    from cpd.engine.engine import EngineRequest
+    rid = body["request_id"]
+    t0 = time.monotonic()
+    ereq = EngineRequest(request_id=rid, prompt_token_ids=body["prompt_token_ids"],
+                         sampling=_sampling(body["sampling"]), cache_salt=body.get("cache_salt"),
+                         mode="prefill", max_l3_blocks=body.get("max_l3_blocks"),
+                         write_through=bool(body.get("write_through", False)))
+    stream = st.runner.submit(ereq)
+    try:
+        out = await _next_output(stream, request)
+    except (ConnectionAbortedError, asyncio.CancelledError):
+        st.runner.abort(rid)
+        raise
+    except RuntimeError as e:
+        st.runner.abort(rid)
+        return JSONResponse({"error": str(e)}, status_code=500)
+    finally:
+        st.runner.close_stream(rid)
+    prefill_s = time.monotonic() - t0
+    resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
+            "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
+            "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0}
+    if out.finished:
+        st.engine.release(rid)
+        return resp
+    with st.runner.engine_lock:
+        kv, token_ids = st.engine.export_kv(rid)
+        st.engine.release(rid)
+    arr = kv.numpy() if hasattr(kv, "numpy") else kv
+    handle = st.sender.stage(rid, arr)
+    handle["release_url"] = f"{_self_url(request)}/handoff/release"
+    resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
+    return resp
+
+
+def _self_url(request: Request) -> str:
+    return f"{request.url.scheme}://{request.url.netloc}"
+
+
+async def _decode(st: WorkerState, body: dict, request: Request):
+    rid = body["request_id"]
+    handle = body["handoff"]
+    try:
+        kv = await asyncio.to_thread(st.receiver.fetch, handle)
+    except Exception as e:  # sender gone or handle stale: the router fails fast / retries
+        return JSONResponse({"error": f"handoff fetch failed: {e!r}"}, status_code=502)
+    finally:
+        asyncio.create_task(_release(st, handle, rid))
+    import torch
+    with st.runner.engine_lock:
+        stream = st.runner.open_stream(rid)
+        st.engine.add_decode_request(rid, body["token_ids"], torch.from_numpy(kv), _sampling(body["sampling"]),
+                                     num_generated=int(body.get("num_generated", 1)))
+    st.runner.wake()
+    return StreamingResponse(_decode_stream(st, rid, stream, request), media_type="application/x-ndjson")
+
+
+async def _release(st: WorkerState, handle: dict, rid: str) -> None:
+    try:
+        await st.http.post(handle["release_url"], json={"request_id": rid})
+    except httpx.HTTPError:
+        pass  # the sender reclaims unreleased regions after a timeout
+
+
+async def _decode_stream(st: WorkerState, rid: str, stream, request: Request):
+    finished = False
+    try:
+        while not finished:
+            out = await _next_output(stream, request)
+            finished = out.finished
+            yield json.dumps({"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason}) + "\n"
+    except RuntimeError as e:
+        yield json.dumps({"error": str(e)}) + "\n"
+    finally:
+        if not finished:
+            st.runner.abort(rid)
+        st.runner.close_stream(rid)
