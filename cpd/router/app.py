@@ -109,6 +109,11 @@ class Router:
                                   "running_requests": w.running_requests, "load": w.last_load}
                     for w in router.workers.by_id.values()}
 
+        @app.get("/cpd/requests")
+        async def recent_requests():
+            """Routing records of the last 1000 requests (class, pool, workers, cached tokens per tier)."""
+            return dict(router.backend.recent)
+
         @app.get("/cpd/index")
         async def index():
             return router.index.sizes()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import AsyncIterator
 
@@ -51,6 +52,7 @@ class CPDBackend:
         self.client = client
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.recent: OrderedDict[str, dict] = OrderedDict()  # request_id -> routing record (last 1000)
 
     def decide(self, req: GenerationRequest) -> tuple[RouteDecision, list[int]]:
         hashes = hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt))
@@ -58,15 +60,15 @@ class CPDBackend:
         try:
             d = route(len(req.prompt_token_ids), match, self.workers.snapshots(), self.cfg, self.estimates.model())
         except NoWorkerError as e:
-            raise BackendError(503, str(e), "service_unavailable") from e
+            raise BackendError(str(e), 503, "service_unavailable") from e
         if d.decode_worker is None:
-            raise BackendError(503, "no healthy decode worker", "service_unavailable")
+            raise BackendError("no healthy decode worker", 503, "service_unavailable")
         return d, hashes
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self.in_flight >= self.max_in_flight:
             self.metrics.requests.labels("rejected").inc()
-            raise BackendError(429, "too many requests in flight", "rate_limit_exceeded", retry_after_s=1)
+            raise BackendError("too many requests in flight", 429, "rate_limit_exceeded", retry_after_s=1)
         self.in_flight += 1
         self.metrics.in_flight.inc()
         outcome = "error"
@@ -84,13 +86,14 @@ class CPDBackend:
             self.metrics.requests.labels(outcome).inc()
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        t0 = time.monotonic()
+        t0 = req.arrival_time if req.arrival_time is not None else time.monotonic()
         d, hashes = self.decide(req)
         pre = await self._prefill_with_retry(req, d, hashes)
         d = pre["decision"]
         ttft = time.monotonic() - t0
         self._record_prefill(d, pre, ttft, len(req.prompt_token_ids))
         cached = sum(pre["num_cached_tokens_by_tier"].values())
+        self._remember(req, d, pre, ttft)
         yield GenerationChunk(token_ids=pre["first_token_ids"], finish_reason=pre["finish_reason"],
                               num_cached_tokens=min(cached, len(req.prompt_token_ids)))
         if pre["finish_reason"] is not None:
@@ -114,7 +117,7 @@ class CPDBackend:
                 self.metrics.fallbacks.labels("prefill_worker_failed").inc()
                 self.workers.mark_unhealthy(d.prefill_worker)
                 d, hashes = self.decide(req)
-        raise BackendError(503, "prefill failed on two workers", "service_unavailable")
+        raise BackendError("prefill failed on two workers", 503, "service_unavailable")
 
     async def _prefill(self, req: GenerationRequest, d: RouteDecision) -> dict:
         w = self.workers.by_id[d.prefill_worker]
@@ -134,7 +137,7 @@ class CPDBackend:
             w.queued_prefill_tokens -= n
             w.running_requests -= 1
         if r.status_code != 200:
-            raise BackendError(502, f"prefill worker {w.worker_id} error: {r.text[:200]}", "worker_error")
+            raise BackendError(f"prefill worker {w.worker_id} error: {r.text[:200]}", 502, "server_error")
         return r.json()
 
     async def _decode(self, req: GenerationRequest, d: RouteDecision, pre: dict) -> AsyncIterator[GenerationChunk]:
@@ -145,20 +148,29 @@ class CPDBackend:
         try:
             async with self.client.stream("POST", f"{w.url}/decode", json=body, timeout=None) as r:
                 if r.status_code != 200:
-                    raise BackendError(502, f"decode worker {w.worker_id} error: {(await r.aread())[:200]!r}",
-                                       "worker_error")
+                    raise BackendError(f"decode worker {w.worker_id} error: {(await r.aread())[:200]!r}", 502,
+                                       "server_error")
                 async for line in r.aiter_lines():
                     if not line:
                         continue
                     msg = json.loads(line)
                     if "error" in msg:
-                        raise BackendError(502, f"decode worker {w.worker_id}: {msg['error']}", "worker_error")
+                        raise BackendError(f"decode worker {w.worker_id}: {msg['error']}", 502, "server_error")
                     yield GenerationChunk(token_ids=msg["token_ids"], finish_reason=msg.get("finish_reason"))
         except httpx.TransportError as e:
             self.workers.mark_unhealthy(w.worker_id)
-            raise BackendError(502, f"decode worker {w.worker_id} failed: {e!r}", "worker_error") from e
+            raise BackendError(f"decode worker {w.worker_id} failed: {e!r}", 502, "server_error") from e
         finally:
             w.running_requests -= 1
+
+    def _remember(self, req: GenerationRequest, d: RouteDecision, pre: dict, ttft_s: float) -> None:
+        self.recent[req.request_id] = {
+            "class": d.request_class, "pool": d.pool, "prefill_worker": d.prefill_worker,
+            "decode_worker": d.decode_worker, "reuse_ratio": d.reuse_ratio, "reasons": list(d.reasons),
+            "load_plan": asdict(d.load_plan), "cached_tokens_by_tier": pre["num_cached_tokens_by_tier"],
+            "prompt_tokens": len(req.prompt_token_ids), "ttft_s": ttft_s}
+        while len(self.recent) > 1000:
+            self.recent.popitem(last=False)
 
     def _record_prefill(self, d: RouteDecision, pre: dict, ttft_s: float, num_prompt_tokens: int) -> None:
         m = self.metrics

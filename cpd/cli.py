@@ -1,0 +1,97 @@
+"""The ``cpd`` command: serve, bench, simulate, analyze, demo."""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="cpd: cache-aware prefill-decode disaggregation for LLM serving.",
+                  no_args_is_help=True, add_completion=False)
+
+
+def _resolve_model(model: Optional[str]) -> str:
+    if model:
+        return model
+    from cpd.engine.weights import default_model_dir
+    return str(default_model_dir())
+
+
+@app.command()
+def serve(
+    topology: str = typer.Option("cpd", help="cpd (pre-prefill + prefill + decode) or pd (prefill + decode)"),
+    pre_prefill: Optional[int] = typer.Option(None, "--pre-prefill", help="pre-prefill workers (cpd: default 1)"),
+    prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (cpd: 1, pd: 2)"),
+    decode: int = typer.Option(1, "--decode", help="decode workers"),
+    model: Optional[str] = typer.Option(None, help="HF Llama-family directory (default: SmolLM2-135M-Instruct)"),
+    kv_store: str = typer.Option("", help="L3 store: file:///dev/shm/DIR or redis://HOST:PORT (default: fresh file:// dir)"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    num_blocks: int = typer.Option(2048, help="L1 KV blocks per worker"),
+    block_size: int = typer.Option(16, help="tokens per KV block"),
+    host_kv_bytes: int = typer.Option(512 << 20, help="L2 host KV pool bytes per worker"),
+    cold_threshold: float = typer.Option(0.5, help="reuse ratio below which a request is cold"),
+    max_num_batched_tokens: int = typer.Option(512, help="engine token budget per step"),
+    log_dir: Optional[str] = typer.Option(None, help="where worker/router logs go"),
+):
+    """Run a CPD (or plain P/D) deployment until Ctrl-C."""
+    from cpd.deploy import Deployment, DeploymentConfig
+
+    if topology not in ("cpd", "pd"):
+        raise typer.BadParameter("topology must be cpd or pd")
+    cfg = DeploymentConfig(
+        model_dir=_resolve_model(model), topology=topology,
+        num_pre_prefill=(pre_prefill if pre_prefill is not None else 1) if topology == "cpd" else 0,
+        num_prefill=prefill if prefill is not None else (1 if topology == "cpd" else 2),
+        num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, block_size=block_size,
+        host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens)
+    dep = Deployment(cfg, log_dir=log_dir)
+    typer.echo(f"starting {topology}: {', '.join(cfg.roles())} (model {cfg.model_dir})")
+    dep.start()
+    typer.echo(f"serving {dep.model_name} at {dep.url}/v1  (metrics {dep.url}/metrics, logs {dep.log_dir}); Ctrl-C stops")
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    try:
+        while not stop["flag"]:
+            time.sleep(0.5)
+            if any(p.poll() is not None for p in dep.procs):
+                typer.echo("a child process exited; stopping", err=True)
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        dep.stop()
+        typer.echo("stopped")
+
+
+@app.command()
+def demo(model: Optional[str] = typer.Option(None, help="HF Llama-family directory")):
+    """Start a local deployment, drive a warm/cold multi-turn workload, print results, stop."""
+    from cpd.demo import run_demo
+    run_demo(model)
+
+
+def _mount_optional() -> None:
+    """Sub-commands built in their own packages (bench, simulator, analyzer)."""
+    try:
+        from cpd.bench.cli import app as bench_app
+        app.add_typer(bench_app, name="bench", help="Replay a trace against an OpenAI-compatible URL.")
+    except ImportError:
+        pass
+    try:
+        from cpd.sim.cli import simulate
+        app.command("simulate")(simulate)
+    except ImportError:
+        pass
+    try:
+        from cpd.analyze.cli import analyze
+        app.command("analyze")(analyze)
+    except ImportError:
+        pass
+
+
+_mount_optional()
+
+if __name__ == "__main__":
+    app()
