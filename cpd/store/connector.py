@@ -1,0 +1,164 @@
+"""The engine's L3 connector: :class:`cpd.engine.connector.KVConnector` over a :class:`KVStore`.
+
+Fallbacks (DESIGN §4): ``lookup``/``load`` never raise on store faults — an unreachable store
+or a corrupt/missing value yields 0 / ``None`` and is counted in :attr:`L3Connector.fallback_counts`
+by kind:
+
+* ``"unavailable"`` — :class:`StoreUnavailable` in lookup/load/save;
+* ``"corrupt"`` — a checksum/header mismatch on load (the entry was invalidated);
+* ``"miss"`` — load found a block missing (e.g. evicted after lookup: a stale index);
+* ``"queue_full"`` — an async save dropped because the write queue was full;
+* ``"write_error"`` — any other exception while saving (logged in :attr:`last_error`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from cpd.engine.connector import EventSink
+from cpd.store.base import KVStore, StoreUnavailable
+
+
+class L3Connector:
+    """Implements :class:`cpd.engine.connector.KVConnector`.
+
+    Args:
+        store: the L3 store client.
+        event_sink: if given, becomes ``store.event_sink`` (L3 ``BlockStored``/``BlockRemoved``).
+        write_async: hand saves to one background writer thread. Blocks are copied on
+            ``save`` so the engine may reuse its buffers immediately.
+        max_queue: pending saves (calls) before new ones are dropped.
+        max_pending_bytes: pending payload bytes before new saves are dropped.
+    """
+
+    def __init__(self, store: KVStore, event_sink: EventSink | None = None, write_async: bool = True,
+                 max_queue: int = 64, max_pending_bytes: int = 512 << 20):
+        self.store = store
+        if event_sink is not None:
+            store.event_sink = event_sink
+        self.write_async = write_async
+        self.fallback_counts: Counter[str] = Counter()
+        self.blocks_saved = 0
+        self.last_error: BaseException | None = None
+        self.max_pending_bytes = int(max_pending_bytes)
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        if write_async:
+            self._thread = threading.Thread(target=self._run, name="l3-writer", daemon=True)
+            self._thread.start()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.fallback_counts[kind] += 1
+
+    # ---- KVConnector ----------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[int]) -> int:
+        """Leading blocks VISIBLE in L3; 0 if the store is unreachable."""
+        try:
+            return self.store.lookup_prefix(block_hashes)
+        except StoreUnavailable:
+            self._count("unavailable")
+            return 0
+
+    def load(self, block_hashes: Sequence[int]) -> list[np.ndarray] | None:
+        """One array per block (checksum verified) or ``None`` (miss / corrupt / unreachable)."""
+        try:
+            blocks, reason = self.store.read_blocks(block_hashes)
+        except StoreUnavailable:
+            self._count("unavailable")
+            return None
+        if blocks is None:
+            self._count(reason)
+        return blocks
+
+    def save(self, block_hashes: Sequence[int], parent_block_hash: int | None,
+             token_ids: Sequence[int], blocks: Sequence[np.ndarray]) -> None:
+        """Write-through of full blocks. Async: copies the blocks and enqueues (dropped and
+        counted as ``"queue_full"`` when the queue or byte budget is full). Sync: writes now;
+        store faults are counted, never raised."""
+        if not block_hashes:
+            return
+        job = ([int(h) for h in block_hashes], parent_block_hash, list(token_ids), blocks)
+        if not self.write_async:
+            self._write(job)
+            return
+        nbytes = sum(int(b.nbytes) for b in blocks)
+        with self._lock:
+            if self._closed or self._pending_bytes + nbytes > self.max_pending_bytes:
+                self.fallback_counts["queue_full"] += 1
+                return
+            self._pending_bytes += nbytes
+        job = (job[0], job[1], job[2], [np.array(b, copy=True) for b in blocks])
+        try:
+            self._q.put_nowait((job, nbytes))
+        except queue.Full:
+            with self._lock:
+                self._pending_bytes -= nbytes
+                self.fallback_counts["queue_full"] += 1
+
+    # ---- writer ---------------------------------------------------------------------------
+    def _write(self, job) -> None:
+        hashes, parent, toks, blocks = job
+        try:
+            n = self.store.put_blocks(hashes, blocks, parent_block_hash=parent, token_ids=toks or None)
+            with self._lock:
+                self.blocks_saved += n
+        except StoreUnavailable:
+            self._count("unavailable")
+        except Exception as e:  # never let a bad write kill the writer thread
+            self.last_error = e
+            self._count("write_error")
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                self._q.task_done()
+                return
+            job, nbytes = item
+            try:
+                self._write(job)
+            finally:
+                with self._lock:
+                    self._pending_bytes -= nbytes
+                self._q.task_done()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until queued saves are written. Returns False on timeout."""
+        if self._thread is None:
+            return True
+        if timeout_s is None:
+            self._q.join()
+            return True
+        import time
+        end = time.monotonic() + timeout_s
+        while self._q.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        """Flush pending saves, stop the writer, close the store (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread is not None:
+            self.flush(timeout_s)
+            self._q.put(None)
+            self._thread.join(timeout_s)
+        self.store.close()
+
+    def __enter__(self) -> "L3Connector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

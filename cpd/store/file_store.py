@@ -1,0 +1,273 @@
+"""``file://DIR`` backend: one file per chunk in a shared directory (embedded default).
+
+Typically ``DIR`` is under ``/dev/shm`` (tmpfs, shared by all processes of one host; no fsync
+needed) or on a shared filesystem across hosts.
+
+Layout: visible chunk ``DIR/<last_hash:016x>.<n>.kv``; staging files ``DIR/.tmp.<...>`` (same
+directory, hence same filesystem). Protocol: ALLOCATED = a temp name is chosen; WRITING = bytes
+go to the temp file; SEALED+VISIBLE = ``os.link(temp, final)``, which is atomic and fails with
+``EEXIST`` if another writer sealed first (first sealer wins — ``rename`` would silently
+overwrite); then the temp name is unlinked. A writer killed at any point leaves at most a temp
+file, which no reader opens and :meth:`FileStore.reclaim_stale` deletes once older than
+``stale_timeout_s`` (also run opportunistically by writers). Eviction is explicit
+(:meth:`KVStore.delete`, :meth:`FileStore.evict_to`).
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
+                            StoreUnavailable, encode_parts)
+
+_TMP = ".tmp."
+_EXT = ".kv"
+
+
+def _name(key: ChunkKey) -> str:
+    return f"{key[0]:016x}.{key[1]}{_EXT}"
+
+
+def _parse(name: str) -> ChunkKey | None:
+    if not name.endswith(_EXT) or name.startswith("."):
+        return None
+    h, _, n = name[:-len(_EXT)].partition(".")
+    try:
+        return int(h, 16), int(n)
+    except ValueError:
+        return None
+
+
+def _plen(p) -> int:
+    return len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes
+
+
+class _FileWrite(PendingWrite):
+    def __init__(self, store: "FileStore", key: ChunkKey, parts: list):
+        self.store, self.key, self.parts = store, key, parts
+        self.total = sum(_plen(p) for p in parts)
+        self.written = 0
+        self.tmp = os.path.join(store.root, f"{_TMP}{_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+        self.done = False
+
+    def write(self, fraction: float = 1.0) -> None:
+        limit = int(self.total * min(max(fraction, 0.0), 1.0))
+        try:
+            with open(self.tmp, "ab", buffering=0) as f:
+                pos = 0
+                for p in self.parts:
+                    ln = _plen(p)
+                    lo, hi = max(self.written - pos, 0), min(limit - pos, ln)
+                    if hi > lo:
+                        f.write(memoryview(p)[lo:hi])
+                    pos += ln
+            self.written = max(self.written, limit)
+        except OSError as e:
+            raise self.store._unavailable(e)
+
+    def seal(self) -> bool:
+        if self.done:
+            return False
+        self.done = True
+        try:
+            if self.written < self.total:
+                return False  # never make a partial value visible
+            try:
+                os.link(self.tmp, os.path.join(self.store.root, _name(self.key)))
+                return True
+            except FileExistsError:
+                return False
+            except OSError as e:
+                raise self.store._unavailable(e)
+        finally:
+            self._rm()
+
+    def abort(self) -> None:
+        self.done = True
+        self._rm()
+
+    def _rm(self) -> None:
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+class FileStore(KVStore):
+    """Chunk files in directory ``root`` (created if missing; its later disappearance, or any
+    I/O error other than a missing chunk, raises :class:`StoreUnavailable`)."""
+
+    def __init__(self, root: str, chunk_blocks: int = 1, event_sink: EventSink | None = None,
+                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S):
+        super().__init__(chunk_blocks, event_sink, stale_timeout_s)
+        self.root = os.path.abspath(root)
+        self.url = f"file://{self.root}"
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"{self.url}: {e}") from e
+        self._last_reclaim = 0.0
+
+    def _unavailable(self, e: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(f"{self.url}: {e}")
+
+    def _check_root(self) -> None:
+        if not os.path.isdir(self.root):
+            raise StoreUnavailable(f"{self.url}: directory missing")
+
+    def _path(self, key: ChunkKey) -> str:
+        return os.path.join(self.root, _name(key))
+
+    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
+        self._check_root()
+        out = []
+        for k in keys:
+            try:
+                os.stat(self._path(k))
+                out.append(True)
+            except FileNotFoundError:
+                out.append(False)
+            except OSError as e:
+                raise self._unavailable(e)
+        return out
+
+    def _get_many(self, keys: list[ChunkKey]) -> list[object | None]:
+        out: list[object | None] = []
+        for k in keys:
+            try:
+                with open(self._path(k), "rb", buffering=0) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    buf = np.empty(size, dtype=np.uint8)
+                    got = f.readinto(memoryview(buf))
+                    out.append(buf if got == size else buf[:got])
+            except FileNotFoundError:
+                self._check_root()
+                out.append(None)
+            except OSError as e:
+                raise self._unavailable(e)
+        return out
+
+    def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
+        self._check_root()
+        now = time.monotonic()
+        if now - self._last_reclaim > self.stale_timeout_s / 2:
+            self._last_reclaim = now
+            self.reclaim_stale()
+        res = []
+        for key, parts in items:
+            if os.path.exists(self._path(key)):  # cheap early drop; link() decides for real
+                res.append(False)
+                continue
+            w = _FileWrite(self, key, parts)
+            try:
+                w.write(1.0)
+                res.append(w.seal())
+            except BaseException:
+                w.abort()
+                raise
+        return res
+
+    def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
+        p = self._path(key)
+        try:
+            if trailer is not None:
+                with open(p, "rb") as f:
+                    f.seek(-8, os.SEEK_END)
+                    if f.read(8) != trailer:
+                        return False
+            os.unlink(p)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return False
+
+    def _delete_keys(self, keys: list[ChunkKey]) -> list[bool]:
+        self._check_root()
+        out = []
+        for k in keys:
+            try:
+                os.unlink(self._path(k))
+                out.append(True)
+            except FileNotFoundError:
+                out.append(False)
+            except OSError as e:
+                raise self._unavailable(e)
+        return out
+
+    def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
+        self._check_root()
+        try:
+            with os.scandir(self.root) as it:
+                for e in it:
+                    k = _parse(e.name)
+                    if k is None:
+                        continue
+                    try:
+                        yield k, e.stat().st_size
+                    except FileNotFoundError:
+                        continue
+        except OSError as e:
+            raise self._unavailable(e)
+
+    def begin_write(self, block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
+                    block_size: int | None = None) -> PendingWrite:
+        if len(block_hashes) > self.chunk_blocks:
+            raise ValueError("more blocks than chunk_blocks")
+        self._check_root()
+        hs = [int(h) for h in block_hashes]
+        return _FileWrite(self, (hs[-1], len(hs)), encode_parts(hs, blocks, block_size))
+
+    def reclaim_stale(self, max_age_s: float | None = None) -> int:
+        age = self.stale_timeout_s if max_age_s is None else max_age_s
+        cutoff = time.time() - age
+        n = 0
+        try:
+            with os.scandir(self.root) as it:
+                for e in it:
+                    if not e.name.startswith(_TMP):
+                        continue
+                    try:
+                        if e.stat().st_mtime <= cutoff:
+                            os.unlink(e.path)
+                            n += 1
+                    except FileNotFoundError:
+                        continue
+        except FileNotFoundError:
+            raise StoreUnavailable(f"{self.url}: directory missing")
+        except OSError as e:
+            raise self._unavailable(e)
+        self._bump(reclaimed=n)
+        return n
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Delete least-recently-modified chunks until visible data is at most ``max_bytes``
+        (emits ``BlockRemoved``). Returns chunks evicted. Raises: StoreUnavailable."""
+        entries = []
+        total = 0
+        self._check_root()
+        with os.scandir(self.root) as it:
+            for e in it:
+                k = _parse(e.name)
+                if k is None:
+                    continue
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, k, st.st_size))
+                total += st.st_size
+        entries.sort()
+        victims = []
+        for _, k, size in entries:
+            if total <= max_bytes:
+                break
+            victims.append(k)
+            total -= size
+        gone = self._delete_keys(victims) if victims else []
+        self._emit_removed(sorted({k[0] for k, g in zip(victims, gone) if g}))
+        return sum(gone)

@@ -1,0 +1,236 @@
+"""``redis://HOST:PORT[/DB]`` backend (Redis or Valkey, standalone) via redis-py + hiredis.
+
+Keys: visible chunk ``<prefix><last_hash:016x>:<n>`` (default prefix ``cpd:kv:``); staging
+``<prefix>stage:<...>`` with a TTL of ``stale_timeout_s``.
+
+Protocol:
+* :meth:`put_blocks` (the fast path) sends ``SET final value NX`` for every chunk in one
+  pipeline. A Redis command is applied atomically or not at all — a client that dies while
+  sending a value leaves nothing (the server drops the incomplete command when the connection
+  closes) — so WRITING, SEALED and VISIBLE collapse into one step, and ``NX`` makes the first
+  sealer win. This avoids a second round trip and a server-side copy.
+* :meth:`begin_write` (the explicit protocol, used where writing and sealing are separate)
+  stages the value with ``SET stage PX <timeout>`` (partial writes via ``SETRANGE``), then seals
+  with ``MULTI; RENAMENX stage final; PERSIST final; DEL stage; EXEC`` — atomic, first wins. A
+  staging key never sealed expires by its TTL (Redis reclaims it; no reader looks at it).
+* :meth:`lookup_prefix` is one pipelined round trip of ``EXISTS`` per candidate key; reads are
+  one pipelined ``GET`` round trip. Corrupt values are deleted by a Lua script only if the
+  value's checksum trailer is unchanged (so a good value written meanwhile survives).
+* Evictions done by Redis itself (``maxmemory-policy allkeys-lru``) produce no
+  ``BlockRemoved`` events; the router learns of them as stale hits on load.
+
+Timeouts: connect and socket read/write timeouts default to 0.5 s and redis-py retries are
+disabled, so an unreachable server raises :class:`StoreUnavailable` within about a second.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Iterable, Sequence
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
+                            StoreUnavailable, encode_parts)
+
+_INVALIDATE_LUA = """
+local t = redis.call('GETRANGE', KEYS[1], -8, -1)
+if t == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _join(parts: list) -> bytearray:
+    out = bytearray(sum(len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes for p in parts))
+    pos = 0
+    for p in parts:
+        ln = len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes
+        out[pos:pos + ln] = p
+        pos += ln
+    return out
+
+
+class _RedisWrite(PendingWrite):
+    def __init__(self, store: "RedisStore", key: ChunkKey, value: bytearray):
+        self.store, self.key, self.value = store, key, value
+        self.stage = f"{store.prefix}stage:{key[0]:016x}:{key[1]}:{uuid.uuid4().hex[:12]}"
+        self.written = 0
+        self.done = False
+
+    def write(self, fraction: float = 1.0) -> None:
+        limit = int(len(self.value) * min(max(fraction, 0.0), 1.0))
+        if limit <= self.written:
+            return
+        ttl = max(1, int(self.store.stale_timeout_s * 1000))
+        with self.store._guard():
+            p = self.store.r.pipeline(transaction=False)
+            p.setrange(self.stage, self.written, memoryview(self.value)[self.written:limit])
+            p.pexpire(self.stage, ttl)
+            p.execute()
+        self.written = limit
+
+    def seal(self) -> bool:
+        if self.done:
+            return False
+        self.done = True
+        if self.written < len(self.value):
+            self.abort()
+            return False
+        final = self.store._key(self.key)
+        with self.store._guard():
+            p = self.store.r.pipeline(transaction=True)
+            p.renamenx(self.stage, final)
+            p.persist(final)
+            p.delete(self.stage)
+            res = p.execute(raise_on_error=False)
+        return res[0] is True or res[0] == 1
+
+    def abort(self) -> None:
+        self.done = True
+        try:
+            with self.store._guard():
+                self.store.r.delete(self.stage)
+        except StoreUnavailable:
+            pass  # the TTL reclaims it
+
+
+class RedisStore(KVStore):
+    """Client of one Redis server.
+
+    Args:
+        host, port, db: server address.
+        prefix: key prefix (namespaces several stores on one server).
+        timeout_s: connect and socket timeout, seconds.
+        chunk_blocks, event_sink, stale_timeout_s: see :class:`KVStore`.
+    Raises:
+        StoreUnavailable: never at construction (connections are lazy), on any call thereafter.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *,
+                 prefix: str = "cpd:kv:", timeout_s: float = 0.5, chunk_blocks: int = 1,
+                 event_sink: EventSink | None = None,
+                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S):
+        super().__init__(chunk_blocks, event_sink, stale_timeout_s)
+        self.prefix = prefix
+        self.url = f"redis://{host}:{port}/{db}"
+        self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
+                             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+                             health_check_interval=0)
+        self._inval = self.r.register_script(_INVALIDATE_LUA)
+
+    # errors -> StoreUnavailable
+    class _Guard:
+        __slots__ = ("url",)
+
+        def __init__(self, url):
+            self.url = url
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, et, ev, tb):
+            if et is not None and issubclass(et, (redis.RedisError, OSError)):
+                raise StoreUnavailable(f"{self.url}: {ev!r}") from ev
+            return False
+
+    def _guard(self) -> "_Guard":
+        return RedisStore._Guard(self.url)
+
+    def _key(self, key: ChunkKey) -> str:
+        return f"{self.prefix}{key[0]:016x}:{key[1]}"
+
+    def _parse(self, name: bytes) -> ChunkKey | None:
+        s = name.decode()[len(self.prefix):]
+        h, _, n = s.partition(":")
+        try:
+            return int(h, 16), int(n)
+        except ValueError:
+            return None
+
+    def ping(self) -> bool:
+        """True if the server answers. Raises: StoreUnavailable."""
+        with self._guard():
+            return bool(self.r.ping())
+
+    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
+        with self._guard():
+            p = self.r.pipeline(transaction=False)
+            for k in keys:
+                p.exists(self._key(k))
+            return [bool(x) for x in p.execute()]
+
+    def _get_many(self, keys: list[ChunkKey]) -> list[object | None]:
+        with self._guard():
+            if len(keys) == 1:
+                return [self.r.get(self._key(keys[0]))]
+            p = self.r.pipeline(transaction=False)
+            for k in keys:
+                p.get(self._key(k))
+            return p.execute()
+
+    def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
+        with self._guard():
+            p = self.r.pipeline(transaction=False)
+            for key, parts in items:
+                p.set(self._key(key), _join(parts), nx=True)
+            return [bool(x) for x in p.execute()]
+
+    def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
+        try:
+            with self._guard():
+                if trailer is None:
+                    return bool(self.r.delete(self._key(key)))
+                return bool(self._inval(keys=[self._key(key)], args=[trailer]))
+        except StoreUnavailable:
+            return False
+
+    def _delete_keys(self, keys: list[ChunkKey]) -> list[bool]:
+        with self._guard():
+            p = self.r.pipeline(transaction=False)
+            for k in keys:
+                p.delete(self._key(k))
+            return [bool(x) for x in p.execute()]
+
+    def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
+        with self._guard():
+            names = [n for n in self.r.scan_iter(match=f"{self.prefix}*", count=1000)
+                     if not n.startswith(f"{self.prefix}stage:".encode())]
+            if not names:
+                return []
+            p = self.r.pipeline(transaction=False)
+            for n in names:
+                p.strlen(n)
+            sizes = p.execute()
+        out = []
+        for n, sz in zip(names, sizes):
+            k = self._parse(n)
+            if k is not None and sz:
+                out.append((k, int(sz)))
+        return out
+
+    def begin_write(self, block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
+                    block_size: int | None = None) -> PendingWrite:
+        if len(block_hashes) > self.chunk_blocks:
+            raise ValueError("more blocks than chunk_blocks")
+        hs = [int(h) for h in block_hashes]
+        return _RedisWrite(self, (hs[-1], len(hs)), _join(encode_parts(hs, blocks, block_size)))
+
+    def reclaim_stale(self, max_age_s: float | None = None) -> int:
+        """Staging keys expire by their TTL; with ``max_age_s == 0`` they are deleted now
+        (used by :meth:`clear`). Returns keys deleted."""
+        if max_age_s is None or max_age_s > 0:
+            return 0
+        with self._guard():
+            names = list(self.r.scan_iter(match=f"{self.prefix}stage:*", count=1000))
+            n = self.r.delete(*names) if names else 0
+        self._bump(reclaimed=n)
+        return n
+
+    def close(self) -> None:
+        try:
+            self.r.close()
+        except Exception:
+            pass
+
