@@ -1,0 +1,190 @@
+"""End-to-end tests: router + pre-prefill + prefill + decode as real processes,
+real HTTP, the official openai client, real Redis for L3.
+
+The correctness oracle (DESIGN §4): greedy tokens do not depend on the path a
+request took — cold on pre-prefill, warm from L1, warm from L3 after L1/L2 were
+cleared, in pd topology, and one plain engine in-process.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from deploy_util import assert_no_leaks, complete, routing_record, start
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from cpd.engine.weights import make_tiny_llama_dir
+    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def redis_l3(tmp_path_factory):
+    from conftest import RedisServer
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cpd_dep(tiny_model_dir, redis_l3):
+    dep = start(tiny_model_dir, "cpd", kv_store=redis_l3.url)
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_dep(tiny_model_dir):
+    dep = start(tiny_model_dir, "pd")
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request):
+    yield
+    for name in ("cpd_dep", "pd_dep"):
+        if name in request.fixturenames:
+            assert_no_leaks(request.getfixturevalue(name))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(10, 40000, size=n)]
+
+
+def _oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    from cpd.engine.engine import Engine
+    from cpd.engine.sampling import SamplingParams
+    eng = Engine(model_dir, num_blocks=64)
+    return list(eng.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+
+
+def _tokens(resp: dict) -> list[int]:
+    return resp["choices"][0]["token_ids"]
+
+
+def test_oracle_every_path_same_tokens(cpd_dep, pd_dep, tiny_model_dir):
+    prompt = _prompt(1, 200)
+    expected = _oracle_tokens(tiny_model_dir, prompt)
+
+    cold = complete(cpd_dep, prompt, MAX_TOKENS)
+    rec = routing_record(cpd_dep, cold["id"])
+    assert (rec["class"], rec["pool"]) == ("cold", "pre-prefill")
+    assert _tokens(cold) == expected
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    time.sleep(0.5)  # the L3 write-through becomes visible and its event reaches the router
+    warm_l3 = complete(cpd_dep, prompt, MAX_TOKENS)
+    rec = routing_record(cpd_dep, warm_l3["id"])
+    assert (rec["class"], rec["pool"]) == ("warm", "prefill")
+    assert rec["cached_tokens_by_tier"]["L3"] > 0
+    assert _tokens(warm_l3) == expected
+
+    time.sleep(0.3)
+    warm_l1 = complete(cpd_dep, prompt, MAX_TOKENS)
+    rec = routing_record(cpd_dep, warm_l1["id"])
+    assert rec["pool"] == "prefill" and rec["cached_tokens_by_tier"]["L1"] > 0
+    assert _tokens(warm_l1) == expected
+    cached = warm_l1["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < len(prompt)
+
+    cpd_dep.reset_prefix_caches()
+    time.sleep(0.3)
+    after_reset = complete(cpd_dep, prompt, MAX_TOKENS)
+    rec = routing_record(cpd_dep, after_reset["id"])
+    assert rec["cached_tokens_by_tier"]["L1"] == 0 and rec["cached_tokens_by_tier"]["L3"] > 0
+    assert _tokens(after_reset) == expected
+
+    assert _tokens(complete(pd_dep, prompt, MAX_TOKENS)) == expected
+
+
+def test_openai_client_chat_and_completions(cpd_dep):
+    from openai import OpenAI
+    client = OpenAI(base_url=f"{cpd_dep.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    assert model == cpd_dep.model_name
+
+    c = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    assert c.usage.completion_tokens >= 1 and c.choices[0].finish_reason in ("stop", "length")
+    text = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt="The quick brown fox", max_tokens=8, temperature=0, stream=True) if ch.choices)
+    assert text == c.choices[0].text
+
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 20},
+                {"role": "user", "content": "Name three colours. " * 10}]
+    r1 = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert r1.choices[0].message.role == "assistant"
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "And three more?"}]
+    time.sleep(0.5)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_client_disconnect_mid_stream_frees_blocks(cpd_dep):
+    body = {"model": cpd_dep.model_name, "prompt": _prompt(7, 120), "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{cpd_dep.url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break  # leave mid-stream; the fixture asserts pools return to baseline
+    stats = cpd_dep.pool_stats()
+    assert set(stats) == {w["worker_id"] for w in cpd_dep.workers}
+
+
+def test_concurrent_requests_warm_and_cold(cpd_dep, tiny_model_dir):
+    prompts = [_prompt(100 + i, 90 + 7 * i) for i in range(6)]
+    results: dict[int, list[int]] = {}
+
+    def run(i):
+        results[i] = _tokens(complete(cpd_dep, prompts[i % 3] if i >= 3 else prompts[i], MAX_TOKENS))
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for i in range(3):
+        assert results[i] == results[i + 3] == _oracle_tokens(tiny_model_dir, prompts[i])
+
+
+def test_metrics_exposed(cpd_dep):
+    complete(cpd_dep, _prompt(3, 50), 4)
+    text = httpx.get(f"{cpd_dep.url}/metrics", timeout=5).text
+    for name in ("cpd_ttft_seconds_bucket", "cpd_prompt_tokens_total", "cpd_kv_bytes_total",
+                 "cpd_requests_total", "cpd_queue_time_seconds"):
+        assert name in text, name
+    assert 'cls="cold"' in text
+
+
+def test_bad_input_keeps_serving(cpd_dep):
+    u = f"{cpd_dep.url}/v1/completions"
+    cases = [
+        (b"{not json", 400), ({"model": cpd_dep.model_name}, 400),
+        ({"model": "nope", "prompt": "hi"}, 404), ({"model": cpd_dep.model_name, "prompt": ""}, 400),
+        ({"model": cpd_dep.model_name, "prompt": "hi", "max_tokens": 0}, 400),
+        ({"model": cpd_dep.model_name, "prompt": [1, 2, 10**9]}, 400),
+        ({"model": cpd_dep.model_name, "prompt": "hi", "temperature": 9}, 400),
+    ]
+    for body, status in cases:
+        if isinstance(body, bytes):
+            r = httpx.post(u, content=body, headers={"content-type": "application/json"}, timeout=10)
+        else:
+            r = httpx.post(u, json=body, timeout=10)
+        assert r.status_code == status, (body, r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    assert complete(cpd_dep, _prompt(5, 20), 3)["usage"]["completion_tokens"] == 3
