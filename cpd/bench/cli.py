@@ -1,0 +1,174 @@
+"""``cpd bench``: replay a Mooncake trace against any OpenAI-compatible URL; compare results.
+
+Usage::
+
+    cpd bench --url http://127.0.0.1:8000 --trace conversation_trace.jsonl \\
+        --tokens-per-hash-id 16 --time-scale 0.5 --max-requests 200 --out pd.json --label pd
+    cpd bench run --url ...            # same as above
+    cpd bench compare pd.json cpd.json --plot ttft.png
+
+The main ``cpd`` CLI mounts ``app`` with ``app.add_typer(bench.cli.app, name="bench")``; it also
+runs standalone as ``python -m cpd.bench.cli``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+app = typer.Typer(help="Load generator: replay a Mooncake trace against an OpenAI-compatible URL.",
+                  no_args_is_help=False, add_completion=False)
+
+
+def _parse_ids(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+
+
+def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: int | None,
+                  special_ids: str | None):
+    """Vocabulary for prompt drawing: ``--vocab-size`` (+ ``--special-ids``) if given, else
+    ``--tokenizer``, else the server's model card. Raises ``typer.BadParameter`` if none applies."""
+    from .trace import Vocab, vocab_from_model_card, vocab_from_tokenizer
+
+    if vocab_size is not None:
+        return Vocab(vocab_size, _parse_ids(special_ids), source="cli")
+    if tokenizer:
+        v = vocab_from_tokenizer(tokenizer)
+        extra = _parse_ids(special_ids)
+        return Vocab(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
+    v = vocab_from_model_card(card)
+    if v is None:
+        raise typer.BadParameter(
+            "the server's model card has no vocab_size; pass --tokenizer DIR or --vocab-size N "
+            "[--special-ids 0,1,2]", param_hint="--tokenizer/--vocab-size")
+    extra = _parse_ids(special_ids)
+    return type(v)(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
+
+
+def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_hash_id: int = 512,
+              time_scale: float = 1.0, max_requests: Optional[int] = None, start: int = 0, seed: int = 0,
+              max_prompt_tokens: Optional[int] = None, spread_ticks: bool = False,
+              max_concurrency: Optional[int] = None, timeout_s: float = 600.0,
+              slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None,
+              out: Optional[Path] = None, plot: Optional[Path] = None, label: Optional[str] = None,
+              tokenizer: Optional[str] = None, vocab_size: Optional[int] = None,
+              special_ids: Optional[str] = None, warm_threshold: float = 0.5, api_key: Optional[str] = None,
+              quiet: bool = False, console: Any = None) -> dict[str, Any]:
+    """Whole ``cpd bench run`` flow; returns ``{"config", "summary", "records"}``.
+
+    Resolves the model (``GET /v1/models``) and vocabulary, converts the trace, replays it, prints
+    the summary table, writes ``out`` (JSON) and ``plot`` (TTFT CDF PNG) if given.
+    """
+    from rich.console import Console
+
+    from . import client as bc
+    from . import report
+    from .trace import TraceConfig, load_requests
+
+    console = console or Console()
+    cards = bc.fetch_models(url, api_key=api_key)
+    card = bc.pick_model(cards, model)
+    vocab = resolve_vocab(card, tokenizer=tokenizer, vocab_size=vocab_size, special_ids=special_ids)
+    tcfg = TraceConfig(trace=str(trace), start=start, max_requests=max_requests, seed=seed,
+                       tokens_per_hash_id=tokens_per_hash_id, max_prompt_tokens=max_prompt_tokens,
+                       time_scale=time_scale, spread_ticks=spread_ticks, warm_threshold=warm_threshold)
+    reqs = load_requests(tcfg, vocab)
+    if not quiet:
+        last = reqs[-1].arrival_s if reqs else 0.0
+        console.print(f"[bold]cpd bench[/]: {len(reqs)} requests over {last:.1f}s to {url} "
+                      f"(model {card['id']}, vocab {vocab.size} from {vocab.source}, "
+                      f"{'spread' if spread_ticks else 'bursty'} ticks)")
+    done = [0]
+
+    def on_done(_rec):
+        done[0] += 1
+        if not quiet and (done[0] % max(1, len(reqs) // 10) == 0 or done[0] == len(reqs)):
+            console.print(f"  {done[0]}/{len(reqs)} done")
+
+    res = bc.run_replay(url, reqs, model=card["id"], max_concurrency=max_concurrency, timeout_s=timeout_s,
+                        api_key=api_key, on_done=on_done)
+    summary = report.summarize(res.records, res.duration_s, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    config = {"label": label, "url": url, "model": res.model, "started_at": res.started_at,
+              "max_concurrency": max_concurrency, "timeout_s": timeout_s,
+              "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
+              "arrival_mode": "spread_ticks" if spread_ticks else "bursty_ticks",
+              "special_ids": list(vocab.special_ids), **asdict(tcfg)}
+    if not quiet:
+        report.print_summary(summary, console, title=f"cpd bench {label or ''}".strip())
+    if out is not None:
+        report.write_results(out, config, summary, res.records)
+        if not quiet:
+            console.print(f"wrote {out}")
+    if plot is not None:
+        report.plot_ttft_cdf(res.records, plot, title=f"TTFT CDF {label or ''}".strip())
+    return {"config": config, "summary": summary, "records": res.records}
+
+
+def _bench(
+    ctx: typer.Context,
+    url: Optional[str] = typer.Option(None, "--url", help="server base URL, e.g. http://127.0.0.1:8000"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake JSONL trace"),
+    model: Optional[str] = typer.Option(None, "--model", help="model name (default: first of /v1/models)"),
+    tokens_per_hash_id: int = typer.Option(512, "--tokens-per-hash-id", min=1, max=512,
+                                           help="tokens per 512-token trace block (shrink for CPU runs)"),
+    time_scale: float = typer.Option(1.0, "--time-scale", help=">1 compresses time (more load)"),
+    max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1),
+    start: int = typer.Option(0, "--start", min=0, help="first trace row to replay"),
+    seed: int = typer.Option(0, "--seed", min=0),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", min=1,
+                                                    help="drop whole trailing blocks beyond this"),
+    spread_ticks: bool = typer.Option(False, "--spread-ticks/--bursty-ticks",
+                                      help="spread each 3 s trace tick uniformly"),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", help="per-request total timeout"),
+    slo_ttft_s: Optional[float] = typer.Option(None, "--slo-ttft-s"),
+    slo_tpot_s: Optional[float] = typer.Option(None, "--slo-tpot-s"),
+    out: Optional[Path] = typer.Option(None, "--out", help="results JSON path"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="TTFT CDF PNG path"),
+    label: Optional[str] = typer.Option(None, "--label", help="name of this run in compare"),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="HF tokenizer dir for vocab/special ids"),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1),
+    special_ids: Optional[str] = typer.Option(None, "--special-ids", help="comma-separated ids never drawn"),
+    warm_threshold: float = typer.Option(0.5, "--warm-threshold", help="trace reuse >= this is warm"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CPD_BENCH_API_KEY"),
+) -> None:
+    """Replay a trace (``cpd bench --url U --trace F`` or ``cpd bench run ...``)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if url is None or trace is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(2)
+    result = run_bench(url=url, trace=trace, model=model, tokens_per_hash_id=tokens_per_hash_id,
+                       time_scale=time_scale, max_requests=max_requests, start=start, seed=seed,
+                       max_prompt_tokens=max_prompt_tokens, spread_ticks=spread_ticks,
+                       max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
+                       slo_tpot_s=slo_tpot_s, out=out, plot=plot, label=label, tokenizer=tokenizer,
+                       vocab_size=vocab_size, special_ids=special_ids, warm_threshold=warm_threshold,
+                       api_key=api_key)
+    if result["summary"]["ok"] == 0 and result["summary"]["n"] > 0:
+        raise typer.Exit(1)
+
+
+app.callback(invoke_without_command=True)(_bench)
+app.command("run")(_bench)
+
+
+@app.command("compare")
+def compare_cmd(files: List[Path] = typer.Argument(..., exists=True, dir_okay=False, help="results JSON files"),
+                plot: Optional[Path] = typer.Option(None, "--plot", help="p50/p90 TTFT bar chart PNG"),
+                as_json: bool = typer.Option(False, "--json", help="also print summaries as JSON")) -> None:
+    """Print results side by side (e.g. ``pd`` vs ``cpd``)."""
+    from .report import compare
+
+    docs = compare(files, plot=plot)
+    if as_json:
+        typer.echo(json.dumps({d["label"]: d["summary"] for d in docs}, indent=1))
+
+
+if __name__ == "__main__":
+    app()
