@@ -12,6 +12,10 @@ working: :meth:`KVStore.lookup_prefix` probes every candidate key ``(h_j, n)`` f
 longest run of leading blocks covered by visible chunks. A chunk that starts before the
 first requested block still counts (its tail is used), so a chain saved in pieces (e.g. the
 engine saving blocks 0..9, later 10..19) is found regardless of where chunks begin.
+The price of chunking is hit granularity: a chunk can only be named by its last hash, so a
+request that shares a stored chain up to the middle of a chunk hits only up to the last whole
+chunk it contains (as with any chunk-keyed KV store); ``chunk_blocks=1`` (the default) gives
+block-granular hits, larger values trade that for fewer, larger values.
 ``chunk_blocks`` is part of the store URL and must be the same for all processes sharing a
 store (a reader only probes sizes up to its own ``chunk_blocks``).
 

@@ -53,11 +53,24 @@ class _FileWrite(PendingWrite):
         self.written = 0
         self.tmp = os.path.join(store.root, f"{_TMP}{_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
         self.done = False
+        self.lost = False
 
     def write(self, fraction: float = 1.0) -> None:
         limit = int(self.total * min(max(fraction, 0.0), 1.0))
+        if self.lost or limit <= self.written:
+            return
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if self.written == 0 else 0)
         try:
-            with open(self.tmp, "ab", buffering=0) as f:
+            fd = os.open(self.tmp, flags, 0o644)
+        except FileNotFoundError:
+            if self.written == 0:
+                raise self.store._unavailable(FileNotFoundError(self.store.root))
+            self.lost = True  # staging file reclaimed (writer exceeded stale_timeout_s)
+            return
+        except OSError as e:
+            raise self.store._unavailable(e)
+        try:
+            with open(fd, "ab", buffering=0) as f:
                 pos = 0
                 for p in self.parts:
                     ln = _plen(p)
@@ -74,13 +87,16 @@ class _FileWrite(PendingWrite):
             return False
         self.done = True
         try:
-            if self.written < self.total:
-                return False  # never make a partial value visible
+            if self.lost or self.written < self.total:
+                return False  # never make a partial or reclaimed value visible
             try:
                 os.link(self.tmp, os.path.join(self.store.root, _name(self.key)))
                 return True
             except FileExistsError:
                 return False
+            except FileNotFoundError:
+                self.store._check_root()
+                return False  # staging file reclaimed: never visible
             except OSError as e:
                 raise self.store._unavailable(e)
         finally:

@@ -10,9 +10,11 @@ Protocol:
   closes) — so WRITING, SEALED and VISIBLE collapse into one step, and ``NX`` makes the first
   sealer win. This avoids a second round trip and a server-side copy.
 * :meth:`begin_write` (the explicit protocol, used where writing and sealing are separate)
-  stages the value with ``SET stage PX <timeout>`` (partial writes via ``SETRANGE``), then seals
-  with ``MULTI; RENAMENX stage final; PERSIST final; DEL stage; EXEC`` — atomic, first wins. A
-  staging key never sealed expires by its TTL (Redis reclaims it; no reader looks at it).
+  stages the value with ``SETRANGE stage`` + ``PEXPIRE <timeout>`` (a Lua script; a
+  continuation fails if the staging key was reclaimed meanwhile), then seals with a Lua script
+  that checks the staged length and renames to the final key only if that is absent, then
+  ``PERSIST`` — atomic, first wins. A staging key never sealed expires by its TTL (Redis
+  reclaims it; no reader looks at it).
 * :meth:`lookup_prefix` is one pipelined round trip of ``EXISTS`` per candidate key; reads are
   one pipelined ``GET`` round trip. Corrupt values are deleted by a Lua script only if the
   value's checksum trailer is unchanged (so a good value written meanwhile survives).
@@ -34,6 +36,24 @@ from redis.retry import Retry
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
                             StoreUnavailable, encode_parts)
+
+# KEYS[1]=staging key; ARGV: offset, ttl_ms, bytes. A continuation of a reclaimed (expired)
+# staging key fails instead of recreating a zero-padded value.
+_STAGE_LUA = """
+if tonumber(ARGV[1]) > 0 and redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return -1 end
+redis.call('SETRANGE', KEYS[1], ARGV[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: staging, final; ARGV: expected length. Seal = atomic rename-if-absent of a complete value.
+_SEAL_LUA = """
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then redis.call('DEL', KEYS[1]) return -1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('PERSIST', KEYS[2])
+return 1
+"""
 
 _INVALIDATE_LUA = """
 local t = redis.call('GETRANGE', KEYS[1], -8, -1)
@@ -58,34 +78,31 @@ class _RedisWrite(PendingWrite):
         self.stage = f"{store.prefix}stage:{key[0]:016x}:{key[1]}:{uuid.uuid4().hex[:12]}"
         self.written = 0
         self.done = False
+        self.lost = False
 
     def write(self, fraction: float = 1.0) -> None:
         limit = int(len(self.value) * min(max(fraction, 0.0), 1.0))
-        if limit <= self.written:
+        if self.lost or limit <= self.written:
             return
         ttl = max(1, int(self.store.stale_timeout_s * 1000))
         with self.store._guard():
-            p = self.store.r.pipeline(transaction=False)
-            p.setrange(self.stage, self.written, memoryview(self.value)[self.written:limit])
-            p.pexpire(self.stage, ttl)
-            p.execute()
+            r = self.store._stage(keys=[self.stage], args=[
+                self.written, ttl, memoryview(self.value)[self.written:limit]])
+        if r == -1:
+            self.lost = True  # staging key expired/reclaimed: this write can never seal
+            return
         self.written = limit
 
     def seal(self) -> bool:
         if self.done:
             return False
         self.done = True
-        if self.written < len(self.value):
+        if self.lost or self.written < len(self.value):
             self.abort()
             return False
-        final = self.store._key(self.key)
         with self.store._guard():
-            p = self.store.r.pipeline(transaction=True)
-            p.renamenx(self.stage, final)
-            p.persist(final)
-            p.delete(self.stage)
-            res = p.execute(raise_on_error=False)
-        return res[0] is True or res[0] == 1
+            r = self.store._seal(keys=[self.stage, self.store._key(self.key)], args=[len(self.value)])
+        return r == 1
 
     def abort(self) -> None:
         self.done = True
@@ -119,6 +136,8 @@ class RedisStore(KVStore):
                              socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
                              health_check_interval=0)
         self._inval = self.r.register_script(_INVALIDATE_LUA)
+        self._stage = self.r.register_script(_STAGE_LUA)
+        self._seal = self.r.register_script(_SEAL_LUA)
 
     # errors -> StoreUnavailable
     class _Guard:

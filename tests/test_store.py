@@ -1,0 +1,349 @@
+"""L3 store: round trips, visibility protocol, crashes, corruption, outages, races (both backends)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd.kv.events import BlockRemoved, BlockStored
+from cpd.store import StoreUnavailable, open_store
+from cpd.store.base import CorruptValue, decode_value, encode_value
+from cpd.store.connector import L3Connector
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (2, 2, 16, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
+
+
+def rand_blocks(n, seed=0, shape=SHAPE, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype) for _ in range(n)]
+
+
+def hashes(n, base=1000):
+    return [base + i for i in range(n)]
+
+
+@pytest.fixture(params=["file", "redis"])
+def make_store(request, tmp_path):
+    """Factory: make_store(chunk_blocks=1, **kw) -> (store, events list)."""
+    made = []
+    if request.param == "redis":
+        srv = request.getfixturevalue("redis_server")
+        base = srv.url
+    else:
+        srv = None
+        base = f"file://{tmp_path / 'kv'}"
+
+    def make(chunk_blocks=1, **kw):
+        ev = []
+        s = open_store(base, chunk_blocks=chunk_blocks, event_sink=ev.append, **kw)
+        s.backend = request.param
+        s.server = srv
+        made.append(s)
+        return s, ev
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3])
+def test_round_trip_bit_exact(make_store, chunk_blocks):
+    s, ev = make_store(chunk_blocks)
+    hs, blocks = hashes(7), rand_blocks(7)
+    assert s.lookup_prefix(hs) == 0 and s.get_blocks(hs) is None
+    assert s.put_blocks(hs, blocks, parent_block_hash=5, token_ids=list(range(7 * 16))) == 7
+    assert s.lookup_prefix(hs) == 7
+    assert s.lookup_prefix(hs + [1, 2]) == 7
+    assert s.lookup_prefix([1] + hs) == 0
+    got = s.get_blocks(hs)
+    assert len(got) == 7
+    for a, b in zip(got, blocks):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    # a sub-range starting mid-chunk is served from the covering chunks
+    assert [a.tobytes() for a in s.get_blocks(hs[2:6])] == [b.tobytes() for b in blocks[2:6]]
+    # hits are at chunk granularity: a prefix ending inside a chunk is found up to the
+    # last chunk boundary it contains
+    assert s.lookup_prefix(hs[:5] + [1]) == (5 if chunk_blocks == 1 else 3)
+    stored = [e for e in ev if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == hs
+    assert all(e.medium == "L3" and e.block_size == 16 for e in stored)
+    assert stored[0].parent_block_hash == 5 and stored[0].token_ids == list(range(16 * len(stored[0].block_hashes)))
+    # rewriting is a no-op (already visible)
+    assert s.put_blocks(hs, blocks) == 0
+    st = s.stats()
+    assert st.num_blocks == 7 and st.bytes > 7 * blocks[0].nbytes
+    assert s.delete(hs[-1:]) == 1 and s.lookup_prefix(hs) == (6 if chunk_blocks == 1 else 6)
+    assert any(isinstance(e, BlockRemoved) and hs[-1] in e.block_hashes for e in ev)
+    assert s.clear() >= 1 and s.lookup_prefix(hs) == 0 and s.stats().num_chunks == 0
+
+
+def test_incremental_saves_and_dtypes(make_store):
+    s, _ = make_store(4)
+    hs = hashes(10)
+    b16 = rand_blocks(10, seed=3, shape=(1, 2, 8, 1, 4), dtype=np.float16)
+    assert s.put_blocks(hs[:3], b16[:3]) == 3
+    assert s.lookup_prefix(hs) == 3
+    assert s.put_blocks(hs[3:], b16[3:], parent_block_hash=hs[2]) == 7
+    assert s.lookup_prefix(hs) == 10
+    assert [a.tobytes() for a in s.get_blocks(hs)] == [b.tobytes() for b in b16]
+
+
+def test_wire_format_rejects_tampering():
+    hs, blocks = hashes(2), rand_blocks(2)
+    v = encode_value(hs, blocks, 16)
+    ch = decode_value(bytes(v), expect_last=hs[-1], expect_n=2)
+    assert ch.block_hashes == hs and ch.block_size == 16
+    for pos in (0, 10, 30, len(v) // 2, len(v) - 1):
+        bad = bytearray(v)
+        bad[pos] ^= 0x40
+        with pytest.raises(CorruptValue):
+            decode_value(bytes(bad))
+    with pytest.raises(CorruptValue):
+        decode_value(bytes(v[:-1]))
+    with pytest.raises(CorruptValue):
+        decode_value(bytes(v), expect_last=hs[0])
+
+
+def test_unsealed_write_is_invisible(make_store):
+    s, ev = make_store(2)
+    hs, blocks = hashes(2), rand_blocks(2)
+    w = s.begin_write(hs, blocks)
+    assert s.lookup_prefix(hs) == 0
+    w.write(0.5)
+    assert s.lookup_prefix(hs) == 0 and s.get_blocks(hs) is None
+    w.write(1.0)
+    assert s.lookup_prefix(hs) == 0 and s.get_blocks(hs) is None  # WRITING, not yet sealed
+    assert w.seal() is True
+    assert s.lookup_prefix(hs) == 2
+    assert [a.tobytes() for a in s.get_blocks(hs)] == [b.tobytes() for b in blocks]
+    # a partially written value is never sealed
+    w2 = s.begin_write(hashes(1, 50), rand_blocks(1))
+    w2.write(0.3)
+    assert w2.seal() is False and s.lookup_prefix([50]) == 0
+
+
+_WRITER = r"""
+import os, sys, time, numpy as np
+from cpd.store import open_store
+s = open_store(sys.argv[1], chunk_blocks=1, stale_timeout_s=float(sys.argv[2]))
+blk = np.random.default_rng(1).standard_normal((64, 1024)).astype(np.float32)
+w = s.begin_write([7], [blk])
+w.write(0.5)
+print("staged", flush=True)
+time.sleep(60)
+"""
+
+
+def _run_and_kill(code, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, env=env)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == b"staged", line
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_writer_killed_mid_write_never_visible_and_reclaimed(make_store):
+    s, _ = make_store(1, stale_timeout_s=0.3)
+    url = s.url if s.backend == "file" else s.server.url
+    _run_and_kill(_WRITER, url, "0.3")
+    assert s.lookup_prefix([7]) == 0 and s.get_blocks([7]) is None
+    if s.backend == "file":
+        leftovers = [n for n in os.listdir(s.root) if n.startswith(".tmp.")]
+        assert len(leftovers) == 1
+        time.sleep(0.35)
+        s.reclaim_stale()
+        assert not [n for n in os.listdir(s.root) if n.startswith(".tmp.")]
+    else:
+        assert list(s.r.scan_iter(match="cpd:kv:stage:*"))  # staging key with a TTL
+        time.sleep(0.4)
+        assert not list(s.r.scan_iter(match="cpd:kv:*"))  # expired: reclaimed by Redis
+    assert s.lookup_prefix([7]) == 0
+
+
+def test_redis_client_killed_mid_set_never_visible(redis_server):
+    """A raw client that sends half of a large SET and is SIGKILLed leaves nothing behind."""
+    code = r"""
+import socket, sys
+k = b"cpd:kv:0000000000000007:1"
+val_len = 4 << 20
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, val_len) + b"x" * (val_len // 2))
+print("staged", flush=True)
+import time; time.sleep(60)
+"""
+    _run_and_kill(code, str(redis_server.port))
+    s = open_store(redis_server.url)
+    time.sleep(0.1)
+    assert s.lookup_prefix([7]) == 0 and s.get_blocks([7]) is None
+    assert s.r.dbsize() == 0
+    s.close()
+
+
+def _corrupt(s, key_hash, n, pos_frac=0.5):
+    if s.backend == "file":
+        p = os.path.join(s.root, f"{key_hash:016x}.{n}.kv")
+        size = os.path.getsize(p)
+        with open(p, "r+b") as f:
+            f.seek(int(size * pos_frac))
+            b = f.read(1)
+            f.seek(int(size * pos_frac))
+            f.write(bytes([b[0] ^ 0xFF]))
+    else:
+        k = f"cpd:kv:{key_hash:016x}:{n}"
+        size = s.r.strlen(k)
+        pos = int(size * pos_frac)
+        b = s.r.getrange(k, pos, pos)
+        s.r.setrange(k, pos, bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("pos_frac", [0.01, 0.5, 0.999])
+def test_corruption_is_miss_and_invalidated(make_store, pos_frac):
+    s, ev = make_store(2)
+    hs, blocks = hashes(4), rand_blocks(4)
+    s.put_blocks(hs, blocks)
+    _corrupt(s, hs[3], 2, pos_frac)
+    ev.clear()
+    assert s.lookup_prefix(hs) == 4  # not yet read: still visible
+    got, reason = s.read_blocks(hs)
+    assert got is None and reason == "corrupt"
+    assert s.lookup_prefix(hs) == 2  # corrupt chunk invalidated, good chunk kept
+    assert [a.tobytes() for a in s.get_blocks(hs[:2])] == [b.tobytes() for b in blocks[:2]]
+    rm = [e for e in ev if isinstance(e, BlockRemoved)]
+    assert rm and rm[0].medium == "L3" and hs[3] in rm[0].block_hashes
+    assert s.stats().corrupt == 1
+    # the connector reports it as a corrupt fallback and recovers after a rewrite
+    c = L3Connector(s, write_async=False)
+    s.put_blocks(hs, blocks)
+    _corrupt(s, hs[1], 2, pos_frac)
+    assert c.load(hs) is None and c.fallback_counts["corrupt"] == 1
+    c.save(hs, None, [], blocks)
+    assert [a.tobytes() for a in c.load(hs)] == [b.tobytes() for b in blocks]
+
+
+def test_redis_unreachable_raises_and_connector_misses_fast(redis_server):
+    s = open_store(redis_server.url)
+    hs, blocks = hashes(3), rand_blocks(3)
+    s.put_blocks(hs, blocks)
+    c = L3Connector(s, write_async=True)
+    assert c.lookup(hs) == 3
+    redis_server.stop()
+    for op in (lambda: s.lookup_prefix(hs), lambda: s.get_blocks(hs), lambda: s.put_blocks(hs, blocks),
+               lambda: s.stats(), lambda: s.delete(hs), lambda: s.clear()):
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            op()
+        assert time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    assert c.lookup(hs) == 0
+    assert c.load(hs) is None
+    c.save(hs, None, [], blocks)
+    assert c.flush(5.0)
+    assert time.monotonic() - t0 < 2.0
+    assert c.fallback_counts["unavailable"] == 3
+    c.close()
+
+
+def test_unresolvable_redis_host_is_unavailable():
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    p = port.getsockname()[1]
+    port.close()  # nothing listens there
+    s = open_store(f"redis://127.0.0.1:{p}")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        s.lookup_prefix([1])
+    assert time.monotonic() - t0 < 2.0
+    assert L3Connector(s, write_async=False).lookup([1]) == 0
+
+
+def test_file_store_directory_gone(tmp_path):
+    import shutil
+    s = open_store(f"file://{tmp_path / 'kv'}")
+    s.put_blocks([1], rand_blocks(1))
+    shutil.rmtree(tmp_path / "kv")
+    for op in (lambda: s.lookup_prefix([1]), lambda: s.get_blocks([1]), lambda: s.put_blocks([1], rand_blocks(1))):
+        with pytest.raises(StoreUnavailable):
+            op()
+    c = L3Connector(s, write_async=False)
+    assert c.lookup([1]) == 0 and c.load([1]) is None and c.fallback_counts["unavailable"] == 2
+
+
+def test_two_writers_first_seal_wins(make_store):
+    s, ev = make_store(1)
+    a, b = rand_blocks(1, seed=1), rand_blocks(1, seed=2)
+    wa, wb = s.begin_write([9], a), s.begin_write([9], b)
+    wa.write()
+    wb.write()
+    assert wb.seal() is True
+    assert wa.seal() is False
+    assert s.get_blocks([9])[0].tobytes() == b[0].tobytes()
+    assert s.put_blocks([9], a) == 0  # dropped: already visible
+    assert s.get_blocks([9])[0].tobytes() == b[0].tobytes()
+    assert s.stats().num_chunks == 1
+
+
+def test_concurrent_writers_one_intact_value(make_store):
+    s, _ = make_store(1)
+    vals = [rand_blocks(1, seed=i, shape=(256, 256)) for i in range(6)]
+    won = []
+    s2, _ = make_store(1)
+    barrier = threading.Barrier(len(vals))
+
+    def go(i):
+        st = s if i % 2 else s2
+        barrier.wait()
+        won.append(st.put_blocks([11], vals[i], skip_existing=False))
+
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(vals))]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert sum(won) == 1
+    got = s.get_blocks([11])[0].tobytes()
+    assert got in [v[0].tobytes() for v in vals]
+
+
+def test_connector_async_save_queue_and_events(make_store):
+    s, _ = make_store(1)
+    events = []
+    c = L3Connector(s, event_sink=events.append, write_async=True, max_queue=2, max_pending_bytes=1 << 30)
+    hs, blocks = hashes(4), rand_blocks(4)
+    c.save(hs, None, list(range(64)), blocks)
+    for b in blocks:
+        b[...] = 0  # engine reuses its buffers: the connector copied them
+    assert c.flush(5.0)
+    assert c.lookup(hs) == 4 and c.blocks_saved == 4
+    assert all(a.any() for a in c.load(hs))
+    assert [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes] == hs
+    # byte budget exhausted -> dropped and counted, never blocks
+    c.max_pending_bytes = 1
+    c.save(hashes(1, 77), None, [], rand_blocks(1))
+    assert c.fallback_counts["queue_full"] == 1
+    c.close()
+    c.close()  # idempotent
+    c.save(hs, None, [], blocks)  # after close: dropped, counted, no error
+    assert c.fallback_counts["queue_full"] == 2
+
+
+def test_open_store_urls(tmp_path, redis_server):
+    s = open_store(f"file://{tmp_path}/a?chunk_blocks=4&stale_timeout_s=5")
+    assert s.chunk_blocks == 4 and s.stale_timeout_s == 5.0
+    r = open_store(f"{redis_server.url}/2?chunk_blocks=2&prefix=x:")
+    assert r.chunk_blocks == 2 and r.prefix == "x:" and r.ping()
+    with pytest.raises(ValueError):
+        open_store("s3://bucket")
