@@ -1,0 +1,692 @@
+"""The torch engine: model executor + scheduler + tiered KV (L1 pool, L2 host pool, L3 connector).
+
+Request life cycle::
+
+    add_request ─▶ inbox ─▶ waiting ─(prefix match L1 → L2 promote → L3 load)─▶ running
+        running ─(chunked prefill, then one token per step)─▶ finished (blocks released)
+        mode="prefill": after the first token ─▶ held (KV kept) ─ export_kv / release
+        add_decode_request: KV imported into fresh blocks ─▶ running (decode)
+
+Each :meth:`Engine.step` drains the inbox, prepares the head of the waiting queue
+(prefix matching; blocks held only for this step unless admitted), asks the pure
+:func:`cpd.engine.scheduler.schedule` for a plan, runs one model forward over all
+scheduled tokens (prefill chunks and decodes together), registers newly full blocks
+in the prefix cache, writes through to L3 if asked, samples and checks stops.
+
+Threading: :meth:`add_request`, :meth:`add_decode_request`, :meth:`abort` and
+:meth:`release` may be called from any thread; they enqueue a command that the
+next :meth:`step` applies (or apply it at once when no step is running).
+:meth:`step` must be called from one thread at a time.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cpd.engine.connector import EventSink, KVConnector
+from cpd.engine.host_pool import HostPool
+from cpd.engine.kv_pool import KVPool
+from cpd.engine.model import SeqBatchInfo, build_metadata
+from cpd.engine.sampling import SamplingParams, sample
+from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for, schedule
+from cpd.engine.weights import load_model_dir, model_id_of, tokenizer_digest, weights_digest
+from cpd.kv.block_hash import Namespace, hash_blocks
+
+log = logging.getLogger(__name__)
+
+MODES = ("full", "prefill", "decode")
+TIERS = ("L1", "L2", "L3")
+
+
+@dataclass
+class EngineRequest:
+    """A generation request.
+
+    Attributes:
+        request_id: unique among the engine's live requests.
+        prompt_token_ids: prompt tokens (≥ 1, each in ``[0, vocab_size)``).
+        sampling: sampling / stopping parameters.
+        cache_salt: tenant salt mixed into the block-hash namespace (None = none).
+        mode: ``"full"`` prefill + decode to completion; ``"prefill"`` stop after the first
+            token and keep the KV for :meth:`Engine.export_kv` (finish_reason ``"handoff"``);
+            ``"decode"`` here means "the handoff failed, recompute": it runs like ``"full"``
+            (imported KV goes through :meth:`Engine.add_decode_request`).
+        max_l3_blocks: most prefix blocks that may be loaded from L3 (None = any, 0 = none).
+        write_through: save each computed full prompt block to L3 via ``connector.save``.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    mode: str = "full"
+    max_l3_blocks: int | None = None
+    write_through: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens sampled this step (0 or 1).
+        finished: no more output will come for this request.
+        finish_reason: ``"stop"`` (stop/EOS token, included in the output), ``"length"``
+            (max_tokens or max_model_len), ``"abort"``, ``"handoff"`` (prefill-mode request
+            produced its first token; KV held until :meth:`Engine.release`), or None.
+        num_cached_tokens_by_tier: on the request's first output only:
+            ``{"L1": n, "L2": n, "L3": n}`` prompt tokens loaded instead of computed.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens_by_tier: dict[str, int] | None = None
+
+
+class _Req:
+    __slots__ = ("id", "sampling", "mode", "max_l3_blocks", "write_through", "ns", "prompt_len", "tokens",
+                 "num_output", "blocks", "num_computed", "hashes", "num_registered", "prepared",
+                 "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids")
+
+    def __init__(self, rid: str, tokens: list[int], prompt_len: int, sampling: SamplingParams, mode: str,
+                 ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int]):
+        self.id = rid
+        self.sampling = sampling
+        self.mode = mode
+        self.max_l3_blocks = max_l3_blocks
+        self.write_through = write_through
+        self.ns = ns
+        self.prompt_len = prompt_len
+        self.tokens = tokens
+        self.num_output = len(tokens) - prompt_len
+        self.blocks: list[int] = []
+        self.num_computed = 0
+        self.hashes: list[int] = []
+        self.num_registered = 0
+        self.prepared = False
+        self.cached_by_tier = {t: 0 for t in TIERS}
+        self.loaded_tier: dict[int, str] = {}
+        self.sent_first = False
+        self.import_kv: torch.Tensor | None = None
+        self.l3_next: int | None = None
+        self.stop_ids = stop_ids
+
+
+class Engine:
+    """Paged-KV LLM engine over a HF Llama directory.
+
+    Args:
+        model_dir: HF Llama directory (see :mod:`cpd.engine.weights`).
+        num_blocks: L1 pool size in blocks.
+        block_size: tokens per block (overrides ``scheduler_config.block_size``).
+        host_kv_bytes: L2 host pool capacity in bytes (0 disables L2).
+        scheduler_config: step limits (default ``SchedulerConfig()``).
+        device: torch device ("cpu", "cuda", ...).
+        dtype: model and KV dtype (float32 default).
+        connector: L3 store client (None = no L3).
+        event_sink: receives every KV event (L1 and L2).
+        model_id: namespace model id (default: config ``cpd_model_id`` or the dir name).
+        adapter_id: namespace adapter id.
+        seed: seed of the engine RNG used by unseeded sampling.
+    Raises:
+        FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
+    """
+
+    def __init__(self, model_dir: str | Path, *, num_blocks: int, block_size: int = 16, host_kv_bytes: int = 0,
+                 scheduler_config: SchedulerConfig | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, connector: KVConnector | None = None,
+                 event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
+                 seed: int = 0):
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model, self.config = load_model_dir(self.model_dir, device=self.device, dtype=dtype)
+        cfg = self.config
+        self.block_size = int(block_size)
+        sc = scheduler_config or SchedulerConfig()
+        self.scheduler_config = replace(sc, block_size=self.block_size)
+        self.connector = connector
+        self._sink = event_sink
+        self.host_pool = HostPool(host_kv_bytes, (cfg.num_hidden_layers, 2, self.block_size,
+                                                  cfg.num_key_value_heads, cfg.head_dim),
+                                  dtype=dtype, event_sink=event_sink, pin_memory=self.device.type == "cuda")
+        self.pool = KVPool(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype=dtype, device=self.device, event_sink=event_sink,
+                           host_pool=self.host_pool)
+        self._namespace = Namespace(
+            model_id=model_id or model_id_of(self.model_dir), weights_digest=weights_digest(self.model_dir),
+            tokenizer_digest=tokenizer_digest(self.model_dir), block_size=self.block_size,
+            kv_dtype=str(dtype).replace("torch.", ""), adapter_id=adapter_id)
+        self._gen = torch.Generator().manual_seed(seed)
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._running: list[_Req] = []
+        self._held: dict[str, _Req] = {}
+        self._inbox: collections.deque = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._live_ids: set[str] = set()
+        self._pending_outputs: list[StepOutput] = []
+        self._pending_prefill_tokens = 0
+        self._load = {"queued_prefill_tokens": 0, "running_requests": 0, "waiting_requests": 0, "kv_usage": 0.0}
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def namespace(self) -> Namespace:
+        """Block-hash namespace of this engine (no cache salt)."""
+        return self._namespace
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V of one token over all layers."""
+        c = self.config
+        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.pool.kv.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block (``kv_bytes_per_token * block_size``)."""
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output tokens): min(config limit, L1 pool capacity)."""
+        return min(self.config.max_position_embeddings, self.pool.num_blocks * self.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.config.eos_token_id
+
+    # ------------------------------------------------------------------ public API (thread-safe)
+    def _validate(self, rid: str, tokens: Sequence[int], sampling: SamplingParams) -> list[int]:
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("prompt_token_ids must not be empty")
+        if min(toks) < 0 or max(toks) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if len(toks) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(toks)} tokens does not fit max_model_len={self.max_model_len}")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError("sampling must be a SamplingParams")
+        return toks
+
+    def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            ids.update(self.config.eos_token_ids)
+        return frozenset(ids)
+
+    def _submit(self, cmd: tuple, rid: str | None = None, new: bool = False, prefill_tokens: int = 0) -> None:
+        with self._inbox_lock:
+            if new:
+                if rid in self._live_ids:
+                    raise ValueError(f"duplicate request id {rid!r}")
+                self._live_ids.add(rid)
+                self._pending_prefill_tokens += prefill_tokens
+            self._inbox.append(cmd)
+        if self._step_lock.acquire(blocking=False):  # idle: apply now
+            try:
+                self._drain_inbox()
+            finally:
+                self._step_lock.release()
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request (any thread).
+
+        Raises:
+            ValueError: empty / out-of-vocabulary / too long prompt, unknown mode, duplicate id.
+        """
+        if req.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        toks = self._validate(req.request_id, req.prompt_token_ids, req.sampling)
+        r = _Req(req.request_id, toks, len(toks), req.sampling, req.mode, self._namespace.with_salt(req.cache_salt),
+                 req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling))
+        self._submit(("add", r), req.request_id, new=True, prefill_tokens=len(toks))
+
+    def add_decode_request(self, request_id: str, token_ids: Sequence[int], kv: torch.Tensor | np.ndarray,
+                           sampling: SamplingParams, num_generated: int = 1, cache_salt: str | None = None) -> None:
+        """Continue a request whose KV was computed elsewhere (the handoff's receiving side).
+
+        Args:
+            request_id: unique id.
+            token_ids: prompt + generated tokens so far (the last ``num_generated`` are outputs;
+                they count towards ``sampling.max_tokens``).
+            kv: ``[num_layers, 2, n, num_kv_heads, head_dim]`` KV of the first ``n`` tokens,
+                ``n < len(token_ids)`` (normally ``n = len(token_ids) - 1``); any device / dtype.
+            sampling: sampling parameters (same as on the prefill side).
+            num_generated: outputs already in ``token_ids`` (≥ 1).
+            cache_salt: the request's tenant salt (full prompt blocks are registered in L1 under it).
+        Raises:
+            ValueError: shape mismatch, bad tokens, or duplicate id.
+        Where the blocks cannot be allocated the engine waits for free blocks; the KV is then
+        copied into fresh blocks and decoding continues exactly as on one engine.
+        """
+        toks = self._validate(request_id, token_ids, sampling)
+        if not 1 <= num_generated < len(toks):
+            raise ValueError("num_generated must be in [1, len(token_ids))")
+        c = self.config
+        kv_t = torch.as_tensor(kv)
+        exp = (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        if kv_t.dim() != 5 or (kv_t.shape[0], kv_t.shape[1], kv_t.shape[3], kv_t.shape[4]) != exp \
+                or not 0 < kv_t.shape[2] < len(toks):
+            raise ValueError(f"kv shape {tuple(kv_t.shape)} does not match [L,2,n,H,D]={exp} with n < {len(toks)}")
+        r = _Req(request_id, toks, len(toks) - num_generated, sampling, "full", self._namespace.with_salt(cache_salt),
+                 0, False, self._stop_ids(sampling))
+        r.import_kv = kv_t
+        self._submit(("add", r), request_id, new=True)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (at once if no step is running, else at the next
+        step). A ``StepOutput(finished=True, finish_reason="abort")`` follows from :meth:`step`.
+        Unknown / finished ids are ignored."""
+        self._submit(("abort", request_id))
+
+    def release(self, request_id: str) -> None:
+        """Free the KV held by a finished ``"prefill"``-mode request (after :meth:`export_kv`)."""
+        self._submit(("release", request_id))
+
+    def export_kv(self, request_id: str) -> tuple[torch.Tensor, list[int]]:
+        """KV and tokens of a held ``"prefill"``-mode request (finish_reason ``"handoff"``).
+
+        Returns:
+            ``(kv, token_ids)``: ``kv`` is a contiguous CPU-or-device tensor
+            ``[num_layers, 2, n, num_kv_heads, head_dim]`` for the ``n = len(token_ids) - 1``
+            tokens whose KV exists; ``token_ids`` = prompt + first sampled token.
+        Raises:
+            KeyError: the request is not held.
+        """
+        r = self._held[request_id]
+        n = r.num_computed
+        idx = torch.as_tensor(r.blocks, dtype=torch.int64, device=self.pool.kv.device)
+        kv = self.pool.kv.index_select(2, idx)  # [L, 2, nb, bs, H, D]
+        L, two, nb, bs, H, D = kv.shape
+        return kv.reshape(L, two, nb * bs, H, D)[:, :, :n].contiguous(), list(r.tokens)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running (held prefill requests do not count)."""
+        return bool(self._inbox or self._waiting or self._running)
+
+    def load_stats(self) -> dict:
+        """``queued_prefill_tokens`` (prompt tokens not yet computed, queued or running),
+        ``running_requests``, ``waiting_requests``, ``kv_usage`` (fraction of L1 blocks in use),
+        as of the last step (plus requests added since)."""
+        d = dict(self._load)
+        d["queued_prefill_tokens"] += self._pending_prefill_tokens
+        return d
+
+    def pool_stats(self) -> dict:
+        """L1 :meth:`KVPool.stats` plus ``l2_*`` host pool stats."""
+        d = self.pool.stats()
+        d.update({f"l2_{k}": v for k, v in self.host_pool.stats().items()})
+        return d
+
+    def check_invariants(self) -> None:
+        """Raises ``AssertionError`` if pool bookkeeping disagrees with the requests' blocks."""
+        with self._step_lock:
+            self.pool.check_invariants()
+            refs = [0] * self.pool.num_blocks
+            for r in list(self._waiting) + self._running + list(self._held.values()):
+                for b in r.blocks:
+                    refs[b] += 1
+            assert refs == self.pool.ref, "pool ref counts disagree with requests' block tables"
+
+    def reset_prefix_cache(self) -> None:
+        """Drop all cached (L1 and L2) blocks; emits ``AllBlocksCleared``."""
+        with self._step_lock:
+            self._drain_inbox()
+            self.pool.reset_prefix_cache()
+            for r in list(self._waiting) + self._running + list(self._held.values()):
+                r.num_registered = r.num_computed // self.block_size  # don't re-register
+
+    def generate(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                 **request_kwargs) -> list[int]:
+        """Run one request to completion and return its output tokens (for tests / oracle;
+        outputs of other requests stepped meanwhile are dropped)."""
+        rid = f"gen-{uuid.uuid4().hex}"
+        self.add_request(EngineRequest(rid, list(prompt_token_ids), sampling or SamplingParams(), **request_kwargs))
+        out: list[int] = []
+        while True:
+            for o in self.step():
+                if o.request_id == rid:
+                    out.extend(o.new_token_ids)
+                    if o.finished:
+                        if o.finish_reason == "handoff":
+                            self.release(rid)
+                        return out
+
+    # ------------------------------------------------------------------ inbox
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return
+                cmd = self._inbox.popleft()
+                if cmd[0] == "add" and cmd[1].import_kv is None:
+                    self._pending_prefill_tokens -= cmd[1].prompt_len
+            kind = cmd[0]
+            if kind == "add":
+                self._waiting.append(cmd[1])
+            elif kind == "abort":
+                self._do_abort(cmd[1])
+            elif kind == "release":
+                r = self._held.pop(cmd[1], None)
+                if r is not None:
+                    self._free(r)
+        self._update_load()
+
+    def _forget(self, rid: str) -> None:
+        with self._inbox_lock:
+            self._live_ids.discard(rid)
+
+    def _free(self, r: _Req) -> None:
+        if r.blocks:
+            self.pool.release(r.blocks)
+        r.blocks = []
+        r.num_computed = 0
+        r.prepared = False
+        self._forget(r.id)
+
+    def _do_abort(self, rid: str) -> None:
+        for q in (self._waiting, self._running):
+            for r in q:
+                if r.id == rid:
+                    q.remove(r)
+                    self._free(r)
+                    self._pending_outputs.append(StepOutput(rid, [], True, "abort"))
+                    return
+        r = self._held.pop(rid, None)
+        if r is not None:
+            self._free(r)
+
+    def _update_load(self) -> None:
+        q = sum(max(0, r.prompt_len - r.num_computed) for r in list(self._waiting) + self._running)
+        st = self.pool.stats()
+        self._load = {"queued_prefill_tokens": q, "running_requests": len(self._running),
+                      "waiting_requests": len(self._waiting), "kv_usage": st["num_in_use"] / st["num_total"]}
+
+    # ------------------------------------------------------------------ prefix matching / loading
+    def _ensure_hashes(self, r: _Req, upto_blocks: int) -> None:
+        have = len(r.hashes)
+        if have >= upto_blocks:
+            return
+        bs = self.block_size
+        parent = r.hashes[-1] if r.hashes else None
+        r.hashes.extend(hash_blocks(r.tokens[have * bs:upto_blocks * bs], r.ns, parent_hash=parent))
+
+    def _register_full(self, r: _Req) -> None:
+        """Register the request's computed full blocks not yet in the prefix cache."""
+        bs = self.block_size
+        n_full = r.num_computed // bs
+        if r.num_registered >= n_full:
+            return
+        self._ensure_hashes(r, n_full)
+        for i in range(r.num_registered, n_full):
+            self.pool.register(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else None,
+                               r.tokens[i * bs:(i + 1) * bs])
+        r.num_registered = n_full
+
+    def _copy_in(self, blocks: Sequence[int], data: Sequence) -> None:
+        for b, d in zip(blocks, data):
+            self.pool.block_view(b).copy_(torch.as_tensor(d).to(self.pool.kv.dtype))
+
+    def _prepare(self, r: _Req, reserve: int) -> bool:
+        """Match / load the longest cached prefix of a waiting request and hold its blocks,
+        allocating at most ``num_free_blocks() - reserve`` new blocks for loads.
+        Returns False if an imported KV could not get blocks (try again later)."""
+        bs = self.block_size
+        max_blocks = (len(r.tokens) - 1) // bs  # always compute at least the last token
+        self._ensure_hashes(r, max_blocks)
+        hashes = r.hashes[:max_blocks]
+        if r.import_kv is not None:
+            n_kv = r.import_kv.shape[2]
+            hit = self.pool.match(hashes[:n_kv // bs])
+            self.pool.acquire(hit)
+            need = blocks_for(n_kv, bs) - len(hit)
+            if need > self.pool.num_free_blocks() - reserve:
+                self.pool.release(hit)
+                return False
+            new = self.pool.allocate(need)
+            r.blocks = list(hit) + new
+            start = len(hit) * bs
+            src = r.import_kv[:, :, start:n_kv].to(self.pool.kv.device, self.pool.kv.dtype)
+            for j, b in enumerate(new):
+                chunk = src[:, :, j * bs:(j + 1) * bs]
+                self.pool.block_view(b)[:, :, :chunk.shape[2]].copy_(chunk)
+            r.num_computed = n_kv
+            r.num_registered = len(hit)
+            self._register_full(r)
+            r.cached_by_tier = {"L1": len(hit) * bs, "L2": 0, "L3": 0}
+            r.prepared = True
+            return True
+        hit = self.pool.match(hashes)
+        self.pool.acquire(hit)
+        r.blocks = list(hit)
+        k = len(hit)
+        budget = self.pool.num_free_blocks() - reserve
+        # L2: promote into fresh L1 blocks
+        if self.host_pool.enabled and k < max_blocks and budget > 0:
+            m = min(self.host_pool.match(hashes[k:max_blocks]), budget)
+            if m:
+                for h in hashes[k:k + m]:
+                    self.host_pool.touch(h)  # mark MRU so our own L1 evictions don't push them out
+                new = self.pool.allocate(m)
+                m2 = self.host_pool.match(hashes[k:k + m])
+                for j in range(m2):
+                    h = hashes[k + j]
+                    self.pool.block_view(new[j]).copy_(self.host_pool.get(h))
+                    i = k + j
+                    self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
+                    r.loaded_tier.setdefault(h, "L2")
+                if m2 < m:
+                    self.pool.release(new[m2:])
+                r.blocks.extend(new[:m2])
+                k += m2
+                budget -= m2
+        # L3: load through the connector
+        if self.connector is not None and k < max_blocks and budget > 0:
+            limit = min(max_blocks - k, budget)
+            if r.max_l3_blocks is not None:
+                used = sum(1 for t in r.loaded_tier.values() if t == "L3")
+                limit = min(limit, max(0, r.max_l3_blocks - used))
+            if limit > 0:
+                want = hashes[k:k + limit]
+                try:
+                    n = min(int(self.connector.lookup(want)), limit)
+                except Exception:  # store faults mean "miss" (DESIGN §4 fallbacks)
+                    log.warning("L3 lookup failed; recomputing", exc_info=True)
+                    n = 0
+                arrays = None
+                if n > 0:
+                    try:
+                        arrays = self.connector.load(want[:n])
+                    except Exception:
+                        log.warning("L3 load failed; recomputing", exc_info=True)
+                        arrays = None
+                    exp = tuple(self.pool.block_view(0).shape)
+                    if arrays is not None and (len(arrays) != n or
+                                               any(tuple(np.shape(a)) != exp for a in arrays)):
+                        log.warning("L3 returned malformed blocks; recomputing")
+                        arrays = None
+                if arrays is not None:
+                    new = self.pool.allocate(n)
+                    self._copy_in(new, arrays)
+                    for j in range(n):
+                        i = k + j
+                        h = hashes[i]
+                        self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
+                        r.loaded_tier.setdefault(h, "L3")
+                    r.blocks.extend(new)
+                    k += n
+        r.num_computed = k * bs
+        r.num_registered = k
+        tiers = {t: 0 for t in TIERS}
+        for h in hashes[:k]:
+            tiers[r.loaded_tier.get(h, "L1")] += bs
+        r.cached_by_tier = tiers
+        r.prepared = True
+        return True
+
+    def _unprepare(self, r: _Req) -> None:
+        if r.blocks:
+            self.pool.release(r.blocks)
+        r.blocks = []
+        r.num_computed = 0
+        r.num_registered = 0
+        r.prepared = False
+
+    def _prepare_waiting(self) -> list[_Req]:
+        """Prepare the head of the waiting queue that could be admitted this step; returns it."""
+        cfg = self.scheduler_config
+        budget = cfg.max_num_batched_tokens
+        reserve = 0
+        for r in self._running:
+            n = max(0, min(len(r.tokens) - r.num_computed, cfg.max_prefill_chunk_tokens, budget))
+            budget -= n
+            reserve += max(0, blocks_for(r.num_computed + n, self.block_size) - len(r.blocks))
+        slots = cfg.max_num_seqs - len(self._running)
+        out = []
+        for r in self._waiting:
+            if slots <= 0 or budget <= 0:
+                break
+            if not r.prepared and not self._prepare(r, reserve):
+                break
+            out.append(r)
+            n = max(0, min(len(r.tokens) - r.num_computed, cfg.max_prefill_chunk_tokens, budget))
+            need = max(0, blocks_for(r.num_computed + n, self.block_size) - len(r.blocks))
+            if need > self.pool.num_free_blocks() - reserve:
+                break
+            reserve += need
+            budget -= n
+            slots -= 1
+        return out
+
+    # ------------------------------------------------------------------ L3 write-through
+    def _write_through(self, r: _Req) -> None:
+        if not r.write_through or self.connector is None:
+            return
+        bs = self.block_size
+        n_prompt_full = r.prompt_len // bs
+        if r.l3_next is None:
+            self._ensure_hashes(r, n_prompt_full)
+            try:
+                r.l3_next = int(self.connector.lookup(r.hashes[:n_prompt_full]))
+            except Exception:
+                log.warning("L3 lookup failed before write-through", exc_info=True)
+                r.l3_next = 0
+        upto = min(n_prompt_full, r.num_computed // bs)
+        if r.l3_next >= upto:
+            return
+        self._ensure_hashes(r, upto)
+        idx = range(r.l3_next, upto)
+        blocks = [self.pool.block_view(r.blocks[i]).contiguous().cpu().numpy() for i in idx]
+        toks = r.tokens[r.l3_next * bs:upto * bs]
+        parent = r.hashes[r.l3_next - 1] if r.l3_next else None
+        try:
+            self.connector.save(r.hashes[r.l3_next:upto], parent, toks, blocks)
+        except Exception:
+            log.warning("L3 write-through failed", exc_info=True)
+        r.l3_next = upto
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[StepOutput]:
+        """Run one engine step; returns the outputs it produced (possibly none)."""
+        with self._step_lock:
+            self._drain_inbox()
+            outputs, self._pending_outputs = self._pending_outputs, []
+            prepared = self._prepare_waiting()
+            cfg = self.scheduler_config
+            bs = self.block_size
+            plan = schedule(
+                [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
+                [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
+                self.pool.num_free_blocks(), cfg)
+            by_id = {r.id: r for r in self._running}
+            by_id.update({r.id: r for r in prepared})
+            # preemption (recompute): free blocks, requeue at the front in admission order
+            if plan.preempted:
+                pre = set(plan.preempted)
+                victims = [r for r in self._running if r.id in pre]
+                self._running = [r for r in self._running if r.id not in pre]
+                for r in reversed(victims):
+                    self._unprepare(r)
+                    self._waiting.appendleft(r)
+            admitted = set(plan.admitted)
+            for r in prepared:
+                if r.id not in admitted:
+                    self._unprepare(r)
+            if admitted:
+                self._waiting = collections.deque(r for r in self._waiting if r.id not in admitted)
+                for r in prepared:
+                    if r.id in admitted:
+                        r.import_kv = None
+                        self._running.append(r)
+                        self._write_through(r)
+            if not plan.scheduled:
+                self._update_load()
+                return outputs
+            # allocate, build the flat batch
+            infos, input_ids, sample_rows, sched = [], [], [], []
+            for s in plan.scheduled:
+                r = by_id[s.request_id]
+                if s.num_new_blocks:
+                    r.blocks.extend(self.pool.allocate(s.num_new_blocks))
+                infos.append(SeqBatchInfo(r.num_computed, s.num_new_tokens, r.blocks))
+                input_ids.extend(r.tokens[r.num_computed:r.num_computed + s.num_new_tokens])
+                sched.append((r, s.num_new_tokens))
+            meta = build_metadata(infos, bs, self.device)
+            samplers = [i for i, (r, n) in enumerate(sched) if r.num_computed + n == len(r.tokens)]
+            logits = None
+            ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
+            if samplers:
+                logits = self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[samplers])
+            else:
+                self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[:1])
+            self.num_steps += 1
+            for r, n in sched:
+                r.num_computed += n
+                self._register_full(r)
+                self._write_through(r)
+            finished: list[_Req] = []
+            for row, i in enumerate(samplers):
+                r = sched[i][0]
+                tok = sample(logits[row], r.sampling, r.num_output, self._gen)
+                r.tokens.append(tok)
+                r.num_output += 1
+                reason = None
+                if tok in r.stop_ids:
+                    reason = "stop"
+                elif r.num_output >= r.sampling.max_tokens or len(r.tokens) >= self.max_model_len:
+                    reason = "length"
+                elif r.mode == "prefill":
+                    reason = "handoff"
+                out = StepOutput(r.id, [tok], reason is not None, reason)
+                if not r.sent_first:
+                    out.num_cached_tokens_by_tier = dict(r.cached_by_tier)
+                    r.sent_first = True
+                outputs.append(out)
+                if reason is not None:
+                    finished.append((r, reason))
+            if finished:
+                done = {r.id for r, _ in finished}
+                self._running = [r for r in self._running if r.id not in done]
+                for r, reason in finished:
+                    if reason == "handoff":
+                        self._held[r.id] = r  # KV kept for export_kv / release (id stays taken)
+                    else:
+                        self._free(r)
+            self._update_load()
+            return outputs

@@ -1,0 +1,131 @@
+"""L2 host pool: a per-worker, preallocated host-memory cache of full KV blocks.
+
+L1 (:class:`cpd.engine.kv_pool.KVPool`) spills a cached block here before it reuses
+the block's device memory; a request whose prefix misses L1 but hits here gets the
+blocks copied back (promoted) into L1. Entries are keyed by chained block hash
+(``cpd.kv.block_hash``) and evicted in LRU order. The pool is *inclusive*: a
+promoted block stays here too.
+
+Each slot holds one block in the contract layout
+``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (``cpd.engine.connector``).
+Events: ``BlockStored`` / ``BlockRemoved`` with ``medium=MEDIUM_L2`` ("CPU").
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from cpd.engine.connector import EventSink
+from cpd.kv.events import MEDIUM_L2, BlockRemoved, BlockStored
+
+
+class HostPool:
+    """LRU block cache in one preallocated host tensor.
+
+    Args:
+        capacity_bytes: host memory budget in bytes; ``num_slots = capacity_bytes // block_bytes``.
+            0 (or less than one block) disables the pool (every call is a no-op / miss).
+        block_shape: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
+        dtype: KV dtype.
+        event_sink: receives L2 events (optional).
+        pin_memory: pin the host tensor (faster device copies; only when CUDA is available).
+    """
+
+    def __init__(self, capacity_bytes: int, block_shape: Sequence[int], dtype: torch.dtype = torch.float32,
+                 event_sink: EventSink | None = None, pin_memory: bool = False):
+        self.block_shape = tuple(int(x) for x in block_shape)
+        self.dtype = dtype
+        numel = 1
+        for x in self.block_shape:
+            numel *= x
+        self.block_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.num_slots = max(0, int(capacity_bytes) // self.block_bytes) if capacity_bytes > 0 else 0
+        pin = pin_memory and torch.cuda.is_available()
+        self.data = torch.empty((self.num_slots, *self.block_shape), dtype=dtype, pin_memory=pin)
+        self._sink = event_sink
+        self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self.num_stores = 0
+        self.num_evictions = 0
+        self.num_hits = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_slots > 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def _emit(self, ev) -> None:
+        if self._sink is not None:
+            self._sink(ev)
+
+    def put(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+            block: torch.Tensor) -> bool:
+        """Store a copy of ``block`` (contract layout, any device) under ``block_hash``.
+
+        Already present → only refreshed to most-recently-used. Evicts the LRU entry
+        when full (emitting ``BlockRemoved``). Returns True if the block is held afterwards.
+        """
+        if not self.enabled:
+            return False
+        if block_hash in self._lru:
+            self._lru.move_to_end(block_hash)
+            return True
+        if not self._free:
+            old_hash, slot = self._lru.popitem(last=False)
+            self._free.append(slot)
+            self.num_evictions += 1
+            self._emit(BlockRemoved(block_hashes=[old_hash], medium=MEDIUM_L2))
+        slot = self._free.pop()
+        self.data[slot].copy_(block)
+        self._lru[block_hash] = slot
+        self.num_stores += 1
+        self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
+                               token_ids=[int(t) for t in token_ids], block_size=self.block_shape[2],
+                               medium=MEDIUM_L2))
+        return True
+
+    def match(self, block_hashes: Sequence[int]) -> int:
+        """Number of leading ``block_hashes`` present (no LRU update)."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def touch(self, block_hash: int) -> None:
+        """Mark an entry most-recently-used (no-op on a miss)."""
+        if block_hash in self._lru:
+            self._lru.move_to_end(block_hash)
+
+    def get(self, block_hash: int) -> torch.Tensor:
+        """View of the stored block (valid until the next :meth:`put`); marks it MRU.
+        Raises ``KeyError`` on a miss."""
+        slot = self._lru[block_hash]
+        self._lru.move_to_end(block_hash)
+        self.num_hits += 1
+        return self.data[slot]
+
+    def clear(self) -> None:
+        """Drop everything (no per-block events; the caller emits ``AllBlocksCleared``)."""
+        self._free.extend(self._lru.values())
+        self._lru.clear()
+
+    def stats(self) -> dict[str, int]:
+        """``num_slots``, ``num_used``, ``block_bytes``, counters."""
+        return {"num_slots": self.num_slots, "num_used": len(self._lru), "block_bytes": self.block_bytes,
+                "num_stores": self.num_stores, "num_evictions": self.num_evictions, "num_hits": self.num_hits}
+
+    def check_invariants(self) -> None:
+        """Raises ``AssertionError`` if slots are lost or double-used."""
+        used = list(self._lru.values())
+        assert len(set(used)) == len(used), "slot used twice"
+        assert not (set(used) & set(self._free)), "slot both used and free"
+        assert len(used) + len(self._free) == self.num_slots, "slot leaked"
