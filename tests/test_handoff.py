@@ -1,0 +1,177 @@
+"""KV handoff: shm and TCP paths across real processes, release/reclaim, arena-full fallback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpd.worker.handoff import HandoffError, HandoffReceiver, HandoffSender, host_identity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_RECEIVER = r"""
+import json, sys, numpy as np
+from cpd.worker.handoff import HandoffReceiver
+r = HandoffReceiver(force_tcp=sys.argv[1] == "tcp")
+for line in sys.stdin:
+    h = json.loads(line)
+    path = r.path_for(h)
+    a = r.fetch(h)
+    np.save(h["meta"]["out"], a)
+    print(json.dumps({"path": path, "rid": h["request_id"]}), flush=True)
+r.close()
+"""
+
+_SENDER = r"""
+import json, sys, numpy as np
+from cpd.worker.handoff import HandoffSender
+s = HandoffSender(arena_bytes=int(sys.argv[1]))
+a = np.random.default_rng(int(sys.argv[2])).standard_normal((4, 2, 300, 4, 16)).astype(np.float32)
+print(json.dumps(s.stage("req-x", a, meta={"first_token": 42})), flush=True)
+sys.stdin.readline()  # wait until the receiver is done
+print(json.dumps(s.stats()), flush=True)
+s.close()
+"""
+
+
+def _spawn(code, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, text=True)
+
+
+def kv(seed, tokens=300):
+    return np.random.default_rng(seed).standard_normal((4, 2, tokens, 4, 16)).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["shm", "tcp"])
+def test_round_trip_to_another_process(tmp_path, mode):
+    arrays = {f"r{i}": kv(i, tokens=100 + 50 * i) for i in range(3)}
+    with HandoffSender(arena_bytes=16 << 20) as s:
+        p = _spawn(_RECEIVER, mode)
+        try:
+            for rid, a in arrays.items():
+                h = s.stage(rid, a, meta={"out": str(tmp_path / f"{rid}.npy")})
+                assert h["kind"] == "shm"  # fits the arena; the receiver decides the path
+                p.stdin.write(json.dumps(h) + "\n")
+                p.stdin.flush()
+                rep = json.loads(p.stdout.readline())
+                assert rep == {"path": mode, "rid": rid}
+                got = np.load(tmp_path / f"{rid}.npy")
+                assert got.dtype == a.dtype and got.shape == a.shape and got.tobytes() == a.tobytes()
+                assert s.release(rid)
+            p.stdin.close()
+            assert p.wait(20) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        st = s.stats()
+        assert st["bytes_staged"] == 0 and st["arena_free_bytes"] == st["arena_bytes"]
+        assert st["tcp_served"] == (3 if mode == "tcp" else 0)
+
+
+def test_receive_from_sender_process_shm():
+    p = _spawn(_SENDER, str(16 << 20), "7")
+    try:
+        h = json.loads(p.stdout.readline())
+        assert h["kind"] == "shm" and h["host_id"] == host_identity() and h["meta"] == {"first_token": 42}
+        with HandoffReceiver() as r, HandoffReceiver(force_tcp=True) as rt:
+            want = np.random.default_rng(7).standard_normal((4, 2, 300, 4, 16)).astype(np.float32)
+            assert r.fetch(h).tobytes() == want.tobytes()
+            assert rt.fetch(h).tobytes() == want.tobytes()
+            out = np.empty_like(want)
+            assert r.fetch(h, out=out) is out and out.tobytes() == want.tobytes()
+            assert r.stats()["fetched_shm"] == 2 and rt.stats()["fetched_tcp"] == 1
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        st = json.loads(p.stdout.readline())
+        assert st["tcp_served"] == 1
+        assert p.wait(20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not os.path.exists(h["name"])  # arena unlinked on close
+
+
+def test_arena_full_falls_back_to_tcp_and_release_frees(tmp_path):
+    a, b, c = kv(1, 1024), kv(2, 1024), kv(3, 1024)  # 2 MiB each
+    with HandoffSender(arena_bytes=3 << 20) as s, HandoffReceiver() as r:
+        ha = s.stage("a", a)
+        hb = s.stage("b", b)
+        assert ha["kind"] == "shm" and hb["kind"] == "tcp"
+        assert s.stats()["arena_full_fallbacks"] == 1
+        assert r.path_for(hb) == "tcp"
+        assert r.fetch(hb).tobytes() == b.tobytes()
+        assert r.fetch(ha).tobytes() == a.tobytes()
+        free_before = s.stats()["arena_free_bytes"]
+        assert s.release("a") and not s.release("a")
+        assert s.stats()["arena_free_bytes"] == free_before + a.nbytes
+        hc = s.stage("c", c)
+        assert hc["kind"] == "shm" and hc["offset"] == ha["offset"]  # the space is reused
+        assert r.fetch(hc).tobytes() == c.tobytes()
+        assert s.release("b") and s.release("c")
+        with pytest.raises(HandoffError):
+            HandoffReceiver(force_tcp=True).fetch(hb)  # released: the sender no longer holds it
+        st = s.stats()
+        assert st["bytes_staged"] == 0 and st["arena_free_bytes"] == st["arena_bytes"]
+
+
+def test_full_arena_fallback_reaches_another_process(tmp_path):
+    with HandoffSender(arena_bytes=1 << 20) as s:
+        a = kv(5, 1024)
+        h = s.stage("big", a, meta={"out": str(tmp_path / "big.npy")})
+        assert h["kind"] == "tcp"
+        p = _spawn(_RECEIVER, "auto")
+        try:
+            p.stdin.write(json.dumps(h) + "\n")
+            p.stdin.close()
+            assert json.loads(p.stdout.readline())["path"] == "tcp"
+            assert p.wait(20) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert np.load(tmp_path / "big.npy").tobytes() == a.tobytes()
+
+
+def test_reclaim_never_released():
+    with HandoffSender(arena_bytes=4 << 20, reclaim_after_s=0.2) as s:
+        s.stage("x", kv(1, 512))
+        s.stage("y", kv(2, 512), force_tcp=True)
+        assert s.stats()["num_staged"] == 2
+        time.sleep(0.25)
+        s.stage("z", kv(3, 16))  # staging reclaims expired entries first
+        st = s.stats()
+        assert st["reclaimed"] == 2 and st["num_staged"] == 1
+        assert not s.release("x")
+
+
+def test_other_host_uses_tcp_and_errors():
+    with HandoffSender(arena_bytes=1 << 20) as s, HandoffReceiver() as r:
+        a = kv(9, 8)
+        h = s.stage("q", a)
+        foreign = dict(h, host_id="elsewhere/boot")
+        assert r.path_for(foreign) == "tcp"
+        assert r.fetch(foreign).tobytes() == a.tobytes()
+        with pytest.raises(ValueError):
+            s.stage("q", a)
+        with pytest.raises(HandoffError):
+            r.fetch(dict(h, kind="tcp", request_id="nope"))
+        with pytest.raises(HandoffError):
+            r.fetch(dict(h, shape=[1]))
+        # empty arrays and torch tensors
+        e = s.stage("empty", np.zeros((0, 4), np.float32))
+        assert r.fetch(e).shape == (0, 4)
+        torch = pytest.importorskip("torch")
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        assert np.array_equal(r.fetch(s.stage("t", t)), t.numpy())
+    with pytest.raises(HandoffError):
+        HandoffReceiver(timeout_s=0.5).fetch(dict(h, kind="tcp"))  # sender closed
