@@ -136,6 +136,7 @@ def _bench(
     special_ids: Optional[str] = typer.Option(None, "--special-ids", help="comma-separated ids never drawn"),
     warm_threshold: float = typer.Option(0.5, "--warm-threshold", help="trace reuse >= this is warm"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CPD_BENCH_API_KEY"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or table output"),
 ) -> None:
     """Replay a trace (``cpd bench --url U --trace F`` or ``cpd bench run ...``)."""
     if ctx.invoked_subcommand is not None:
@@ -149,7 +150,7 @@ def _bench(
                        max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
                        slo_tpot_s=slo_tpot_s, out=out, plot=plot, label=label, tokenizer=tokenizer,
                        vocab_size=vocab_size, special_ids=special_ids, warm_threshold=warm_threshold,
-                       api_key=api_key)
+                       api_key=api_key, quiet=quiet)
     if result["summary"]["ok"] == 0 and result["summary"]["n"] > 0:
         raise typer.Exit(1)
 

@@ -110,8 +110,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
 def write_results(path: str | Path, config: dict[str, Any], summary: dict[str, Any],
                   records: Sequence[RequestRecord]) -> None:
     """Write ``{"version", "config", "summary", "records"}`` as JSON to ``path``."""
-    doc = {"version": 1, "config": config, "summary": summary, "records": [r.to_dict() for r in records]}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    head = json.dumps({"version": 1, "config": config, "summary": summary}, indent=1)
+    body = ",\n".join(json.dumps(r.to_dict(), separators=(",", ":")) for r in records)  # one record a line
+    Path(path).write_text(head[:-2] + ',\n "records": [\n' + body + "\n ]\n}\n", encoding="utf-8")
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
@@ -198,10 +199,14 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], path: str | Path, title: str
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    lo, hi = np.inf, 0.0
     for g in ("warm", "cold"):
         v = np.sort([r.ttft_s for r in records if r.ok and r.trace_class == g and r.ttft_s is not None])
         if v.size:
             ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{g} (n={v.size})")
+            lo, hi = min(lo, float(v[0])), max(hi, float(v[-1]))
+    if 0 < lo and hi / lo > 100:
+        ax.set_xscale("log")  # long tails: keep the body of the distribution readable
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(title)
