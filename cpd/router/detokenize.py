@@ -131,10 +131,12 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._table = None if force_generic else _byte_table_for(tokenizer)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # generic path state
+        # generic path state: text of ids[_ctx:] is re-decoded; its first _out chars are sent
         self._ids: list[int] = []
-        self._ctx = 0        # first id of the context window
-        self._done = 0       # ids before this index have had their text emitted
+        self._ctx = 0
+        self._out = 0
+        self._clean = 0      # len(ids) at the last point whose text ended on a whole char
+        self._progress = 0   # len(ids) when text last advanced
         self._max_hold = max_hold
         self.num_tokens = 0
 
@@ -153,21 +155,28 @@ class IncrementalDetokenizer:
         """Return whatever is held back (the stream has ended)."""
         if self._table is not None:
             return self._utf8.decode(b"", final=True)
-        if self._done >= len(self._ids):
+        if not self._ids:
             return ""
         return self._generic(final=True)
 
     def _generic(self, final: bool) -> str:
         ids = self._ids
-        before = self._tok.decode(ids[self._ctx:self._done])
-        after = self._tok.decode(ids[self._ctx:])
-        if (not final and after.endswith("\ufffd")
-                and len(ids) - self._done < self._max_hold):
-            return ""
-        # if the window's text changed retroactively we cannot retract; emit the tail
-        delta = after[len(before):]
-        self._ctx = self._done
-        self._done = len(ids)
+        text = self._tok.decode(ids[self._ctx:])
+        end = len(text)
+        if not final:
+            while end > self._out and text[end - 1] == "\ufffd":
+                end -= 1   # possibly an unfinished character: hold it back
+            if end < len(text) and len(ids) - self._progress > self._max_hold:
+                end = len(text)   # no progress for too long: a genuinely invalid sequence
+        delta = text[self._out:end] if end > self._out else ""
+        if end > self._out:
+            self._progress = len(ids)
+        self._out = max(self._out, end)
+        if end == len(text):
+            # whole characters only: slide the window so decoding stays O(new tokens)
+            self._ctx = self._clean
+            self._clean = len(ids)
+            self._out = len(self._tok.decode(ids[self._ctx:]))
         return delta
 
 

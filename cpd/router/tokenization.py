@@ -132,7 +132,7 @@ class Tokenizer:
         """The chat template applied to ``messages`` (validated by :func:`normalize_messages`)
         with ``add_generation_prompt=True``, as text. Raises :class:`MessageError` on bad
         messages and ``ValueError`` if the template rejects them or there is no template."""
-        msgs = normalize_messages(list(messages))
+        msgs = normalize_messages(messages)
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         try:
