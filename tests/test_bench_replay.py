@@ -28,6 +28,7 @@ from tests.conftest import TRACE, free_port
 VOCAB, SPECIAL = 1000, [0, 1, 2]
 FIRST_DELAY, STEP, STALL = 0.05, 0.004, 0.4
 CACHE_BLOCK = 16
+MAX_MODEL_LEN = 4096
 
 
 class Peer:
@@ -45,7 +46,8 @@ class Peer:
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": "peer-model", "object": "model",
-                                                 "vocab_size": VOCAB, "special_token_ids": SPECIAL}]}
+                                                 "vocab_size": VOCAB, "special_token_ids": SPECIAL,
+                                                 "max_model_len": MAX_MODEL_LEN}]}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -56,6 +58,8 @@ class Peer:
             self.received[f"{prompt[:8]}|{n}|{len(prompt)}"] = t
             if n == 13:
                 return JSONResponse({"error": {"message": "peer rejects max_tokens=13", "code": 400}}, 400)
+            if len(prompt) + n > MAX_MODEL_LEN:
+                return JSONResponse({"error": {"message": "context too long"}}, 400)
             if any(not 0 <= x < VOCAB or x in SPECIAL for x in prompt):
                 return JSONResponse({"error": {"message": "bad token id"}}, 400)
             assert body["stream"] and body["ignore_eos"] and body["temperature"] == 0
@@ -237,6 +241,7 @@ def test_cli_bench_and_compare(peer, tmp_path):
         assert doc["config"]["label"] == label and doc["config"]["vocab_size"] == VOCAB
         assert doc["config"]["arrival_mode"] == ("spread_ticks" if label == "cpd" else "bursty_ticks")
         assert doc["config"]["start"] == 3 and doc["config"]["tokens_per_hash_id"] == 4
+        assert doc["config"]["context_len"] == MAX_MODEL_LEN  # from the model card
         # rows 3..14 of the trace: no output_length is 13, so the peer accepts all
         assert doc["summary"]["n"] == 12 and doc["summary"]["errors"] == 0
         assert [r["line"] for r in doc["records"]] == list(range(3, 15))
@@ -245,6 +250,13 @@ def test_cli_bench_and_compare(peer, tmp_path):
     r = runner.invoke(root, ["bench", "run", "--url", peer.url, "--trace", str(TRACE), "--max-requests", "2",
                              "--tokens-per-hash-id", "2", "--time-scale", "100"])
     assert r.exit_code == 0, r.output
+    # full-size blocks: row 11 (87,169 prompt tokens) only fits after the context cap
+    out = tmp_path / "ctx.json"
+    r = runner.invoke(root, ["bench", "--url", peer.url, "--trace", str(TRACE), "--start", "11",
+                             "--max-requests", "1", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())["records"][0]
+    assert rec["error"] is None and rec["prompt_len"] == 3584 and rec["prompt_len"] + 402 <= MAX_MODEL_LEN
     png = tmp_path / "cmp.png"
     r = runner.invoke(root, ["bench", "compare", *map(str, outs), "--plot", str(png)])
     assert r.exit_code == 0, r.output

@@ -100,6 +100,11 @@ def test_max_prompt_tokens_truncates_whole_trailing_blocks():
     assert cut[1].prompt == full[1].prompt and not cut[1].truncated
     tiny = build_requests(rows, V, tokens_per_hash_id=16, max_prompt_tokens=5)
     assert tiny[0].prompt == full[0].prompt[:5]
+    # context_len caps prompt + output (output_length 5): 60 - 5 = 55 -> 3 whole blocks
+    ctx = build_requests(rows, V, tokens_per_hash_id=16, context_len=60)
+    assert ctx[0].block_lens == [16, 16, 16] and ctx[1].prompt == full[1].prompt
+    both = build_requests(rows, V, tokens_per_hash_id=16, context_len=60, max_prompt_tokens=20)
+    assert both[0].block_lens == [16] and both[1].block_lens == [16]
 
 
 def test_arrival_times_scale_and_spread():

@@ -32,7 +32,9 @@ def _parse_ids(text: str | None) -> tuple[int, ...]:
 def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: int | None,
                   special_ids: str | None):
     """Vocabulary for prompt drawing: ``--vocab-size`` (+ ``--special-ids``) if given, else
-    ``--tokenizer``, else the server's model card. Raises ``typer.BadParameter`` if none applies."""
+    ``--tokenizer``, else the server's model card (``vocab_size`` / ``special_token_ids``), else a
+    local tokenizer directory named by the card's ``root`` or ``id``. Raises
+    ``typer.BadParameter`` if none applies."""
     from .trace import Vocab, vocab_from_model_card, vocab_from_tokenizer
 
     if vocab_size is not None:
@@ -42,6 +44,12 @@ def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: in
         extra = _parse_ids(special_ids)
         return Vocab(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
     v = vocab_from_model_card(card)
+    if v is None:
+        # a server on this machine may name its model by its directory (cpd serve does)
+        local = next((str(card[k]) for k in ("root", "id") if isinstance(card.get(k), str)
+                      and (Path(card[k]) / "tokenizer_config.json").is_file()), None)
+        if local is not None:
+            v = vocab_from_tokenizer(local)
     if v is None:
         raise typer.BadParameter(
             "the server's model card has no vocab_size; pass --tokenizer DIR or --vocab-size N "
@@ -57,11 +65,14 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
               slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None,
               out: Optional[Path] = None, plot: Optional[Path] = None, label: Optional[str] = None,
               tokenizer: Optional[str] = None, vocab_size: Optional[int] = None,
-              special_ids: Optional[str] = None, warm_threshold: float = 0.5, api_key: Optional[str] = None,
+              special_ids: Optional[str] = None, warm_threshold: float = 0.5,
+              context_len: Optional[int] = None, api_key: Optional[str] = None,
               quiet: bool = False, console: Any = None) -> dict[str, Any]:
     """Whole ``cpd bench run`` flow; returns ``{"config", "summary", "records"}``.
 
-    Resolves the model (``GET /v1/models``) and vocabulary, converts the trace, replays it, prints
+    Resolves the model (``GET /v1/models``) and vocabulary, converts the trace (prompts capped at
+    ``context_len - output_length``; ``context_len`` defaults to the card's ``max_model_len``, 0
+    disables the cap), replays it, prints
     the summary table, writes ``out`` (JSON) and ``plot`` (TTFT CDF PNG) if given.
     """
     from rich.console import Console
@@ -74,9 +85,14 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
     cards = bc.fetch_models(url, api_key=api_key)
     card = bc.pick_model(cards, model)
     vocab = resolve_vocab(card, tokenizer=tokenizer, vocab_size=vocab_size, special_ids=special_ids)
+    if context_len is None and isinstance(card.get("max_model_len"), int):
+        context_len = card["max_model_len"]
+    if context_len is not None and context_len <= 0:
+        context_len = None  # --context-len 0: no context cap
     tcfg = TraceConfig(trace=str(trace), start=start, max_requests=max_requests, seed=seed,
                        tokens_per_hash_id=tokens_per_hash_id, max_prompt_tokens=max_prompt_tokens,
-                       time_scale=time_scale, spread_ticks=spread_ticks, warm_threshold=warm_threshold)
+                       time_scale=time_scale, spread_ticks=spread_ticks, warm_threshold=warm_threshold,
+                       context_len=context_len)
     reqs = load_requests(tcfg, vocab)
     if not quiet:
         last = reqs[-1].arrival_s if reqs else 0.0
@@ -135,6 +151,8 @@ def _bench(
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1),
     special_ids: Optional[str] = typer.Option(None, "--special-ids", help="comma-separated ids never drawn"),
     warm_threshold: float = typer.Option(0.5, "--warm-threshold", help="trace reuse >= this is warm"),
+    context_len: Optional[int] = typer.Option(None, "--context-len", min=0,
+                                              help="cap prompt+output (default: server max_model_len; 0: off)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CPD_BENCH_API_KEY"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or table output"),
 ) -> None:
@@ -150,7 +168,7 @@ def _bench(
                        max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
                        slo_tpot_s=slo_tpot_s, out=out, plot=plot, label=label, tokenizer=tokenizer,
                        vocab_size=vocab_size, special_ids=special_ids, warm_threshold=warm_threshold,
-                       api_key=api_key, quiet=quiet)
+                       context_len=context_len, api_key=api_key, quiet=quiet)
     if result["summary"]["ok"] == 0 and result["summary"]["n"] > 0:
         raise typer.Exit(1)
 

@@ -274,15 +274,20 @@ def arrival_times(timestamps_ms: Sequence[float], time_scale: float = 1.0, sprea
 def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
                    tokens_per_hash_id: int = TRACE_BLOCK, max_prompt_tokens: int | None = None,
                    time_scale: float = 1.0, spread_ticks: bool = False,
-                   tick_ms: float = DEFAULT_TICK_MS, warm_threshold: float = 0.5) -> list[BenchRequest]:
+                   tick_ms: float = DEFAULT_TICK_MS, warm_threshold: float = 0.5,
+                   context_len: int | None = None) -> list[BenchRequest]:
     """Turn trace rows into replayable requests (prompts, arrivals, reuse and trace class).
 
     ``max_prompt_tokens`` drops whole trailing blocks until the prompt fits; if even the first
-    block does not fit, the prompt is the first ``max_prompt_tokens`` ids of that block. Reuse is
-    computed over the kept hash ids against all hash ids kept by earlier rows of ``rows``.
+    block does not fit, the prompt is the first ``max_prompt_tokens`` ids of that block.
+    ``context_len`` (the model's context, e.g. ``max_model_len``) additionally caps each prompt at
+    ``context_len - output_length`` tokens (at least 1), the same way, so prompt plus output fits.
+    Reuse is computed over the kept hash ids against all hash ids kept by earlier rows of ``rows``.
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError("max_prompt_tokens must be >= 1")
+    if context_len is not None and context_len < 2:
+        raise ValueError("context_len must be >= 2")
     blocks = BlockTokens(vocab, seed)
     arrivals = arrival_times([r.timestamp_ms for r in rows], time_scale, spread_ticks, tick_ms)
     seen: set[int] = set()
@@ -291,16 +296,20 @@ def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
         lens = block_lengths(row.input_length, len(row.hash_ids), tokens_per_hash_id)
         hids = list(row.hash_ids)
         truncated = False
-        if max_prompt_tokens is not None and sum(lens) > max_prompt_tokens:
+        cap = max_prompt_tokens
+        if context_len is not None:
+            ctx_cap = max(1, context_len - row.output_length)
+            cap = ctx_cap if cap is None else min(cap, ctx_cap)
+        if cap is not None and sum(lens) > cap:
             truncated = True
             total, keep = 0, 0
             for n in lens:
-                if total + n > max_prompt_tokens:
+                if total + n > cap:
                     break
                 total += n
                 keep += 1
             if keep == 0:
-                lens, hids = [max_prompt_tokens], hids[:1]
+                lens, hids = [cap], hids[:1]
             else:
                 lens, hids = lens[:keep], hids[:keep]
         hits = sum(1 for h in hids if h in seen)
@@ -328,6 +337,7 @@ class TraceConfig:
     spread_ticks: bool = False
     tick_ms: float = DEFAULT_TICK_MS
     warm_threshold: float = 0.5
+    context_len: int | None = None
     vocab_size: int | None = None
     vocab_source: str | None = None
     n_special_ids: int = 0
@@ -341,7 +351,7 @@ def load_requests(cfg: TraceConfig, vocab: Vocab) -> list[BenchRequest]:
     return build_requests(rows, vocab, seed=cfg.seed, tokens_per_hash_id=cfg.tokens_per_hash_id,
                           max_prompt_tokens=cfg.max_prompt_tokens, time_scale=cfg.time_scale,
                           spread_ticks=cfg.spread_ticks, tick_ms=cfg.tick_ms,
-                          warm_threshold=cfg.warm_threshold)
+                          warm_threshold=cfg.warm_threshold, context_len=cfg.context_len)
 
 
 __all__ = ["TRACE_BLOCK", "DEFAULT_TICK_MS", "TraceRow", "BenchRequest", "Vocab", "BlockTokens",
