@@ -1,0 +1,193 @@
+"""Workloads for the simulator: Mooncake-format trace replay and a synthetic coding-agent generator.
+
+Both produce :class:`SimRequest` lists; the generator also writes Mooncake JSONL
+(``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``, one request per
+line, 512-token prefix-hash blocks) so that ``cpd bench`` can replay it live.
+
+Block ids: the trace's ``hash_ids`` are already *prefix* hashes (an equal id at position k
+means the whole prefix up to block k is equal), so the simulator uses them directly as
+block identities; it does not tokenise and does not call ``cpd.kv.block_hash``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+TRACE_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request.
+
+    Attributes:
+        arrival_s: arrival time at the router, seconds.
+        prompt_tokens: prompt length, tokens.
+        output_tokens: tokens to generate (>= 1).
+        blocks: prefix-hash block ids, one per ``block_size`` tokens (the last may be partial).
+        tag: workload label (``cold``/``warm`` for the synthetic generator, ``trace`` otherwise).
+    """
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+    tag: str = "trace"
+
+
+def load_mooncake(path: str | Path, time_scale: float = 1.0, tokens_per_hash_id: int = TRACE_BLOCK,
+                  limit: int | None = None, spread_ticks_s: float = 0.0, max_prompt_tokens: int | None = None,
+                  ) -> list[SimRequest]:
+    """Read a Mooncake JSONL trace.
+
+    Args:
+        path: JSONL file.
+        time_scale: arrival = ``timestamp / 1000 / time_scale`` (2.0 = twice the load).
+        tokens_per_hash_id: tokens each hash id stands for (512 in the trace; fewer shrinks
+            the prompt proportionally, keeping prefix structure; lengths scale by this / 512).
+        limit: read at most this many requests.
+        spread_ticks_s: if > 0, spread requests sharing a timestamp uniformly over this many
+            seconds (the conversation trace is quantised to ~3 s ticks), deterministically.
+        max_prompt_tokens: truncate longer prompts by whole trailing blocks.
+    Raises:
+        ValueError: a line violates ``len(hash_ids) == ceil(input_length / 512)``.
+    """
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            if line.strip():
+                rows.append(json.loads(line))
+    scale = tokens_per_hash_id / TRACE_BLOCK
+    out: list[SimRequest] = []
+    # group by timestamp for optional spreading
+    j = 0
+    while j < len(rows):
+        k = j
+        while k < len(rows) and rows[k]["timestamp"] == rows[j]["timestamp"]:
+            k += 1
+        for idx in range(j, k):
+            r = rows[idx]
+            ids = r["hash_ids"]
+            n_in = int(r["input_length"])
+            if len(ids) != math.ceil(n_in / TRACE_BLOCK):
+                raise ValueError(f"line {idx + 1}: {len(ids)} hash ids for {n_in} tokens")
+            t = r["timestamp"] / 1000.0
+            if spread_ticks_s > 0 and k - j > 1:
+                t += spread_ticks_s * (idx - j) / (k - j)
+            prompt = max(1, int(round(n_in * scale)))
+            if max_prompt_tokens and prompt > max_prompt_tokens:
+                nb = max_prompt_tokens // tokens_per_hash_id
+                ids, prompt = ids[:nb], nb * tokens_per_hash_id
+            out.append(SimRequest(t / time_scale, prompt, max(1, int(r["output_length"])), tuple(ids)))
+        j = k
+    return out
+
+
+def write_mooncake(reqs: Iterable[SimRequest], path: str | Path) -> None:
+    """Write requests as Mooncake JSONL (timestamps in integer milliseconds)."""
+    with open(path, "w") as f:
+        for r in reqs:
+            f.write(json.dumps({"timestamp": int(round(r.arrival_s * 1000)), "input_length": r.prompt_tokens,
+                                "output_length": r.output_tokens, "hash_ids": list(r.blocks)}) + "\n")
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    """Synthetic coding-agent traffic (all lengths in tokens, times in seconds).
+
+    A request is *cold* with probability ``cold_fraction`` (a new session: a shared system
+    prompt plus ``first_context`` new tokens) and otherwise a *warm* turn of an existing
+    session: its previous prompt + previous output + a new ``turn_suffix``. A session whose
+    prompt would exceed ``max_context`` is compacted: its next request is cold, with a fresh
+    ``compacted_context``-token summary (extra cold requests). A warm turn goes to the
+    longest-idle session if its last request is at least ``min_turn_gap_s`` old; otherwise a
+    new session starts instead (so the realised cold fraction can exceed the knob).
+    """
+
+    cold_fraction: float = 0.1
+    first_context: int = 100_000
+    first_context_jitter: float = 0.3
+    turn_suffix: int = 2_000
+    output_tokens: int = 300
+    output_jitter: float = 0.5
+    system_prompt: int = 4_096
+    max_context: int = 131_072
+    compacted_context: int = 40_000
+    min_turn_gap_s: float = 10.0
+    max_active_sessions: int = 400
+    block_size: int = TRACE_BLOCK
+
+
+def _rate_at(t: float, qps: float, ramp_s: float) -> float:
+    return qps * (t / ramp_s if (ramp_s > 0 and t < ramp_s) else 1.0)
+
+
+def generate_agent(w: AgentWorkload, qps: float, duration_s: float, ramp_s: float = 0.0,
+                   seed: int = 0) -> list[SimRequest]:
+    """Seeded Poisson arrivals at ``qps`` (linear ramp from 0 over ``ramp_s``) for ``duration_s`` s.
+
+    Returns:
+        requests in arrival order; ``tag`` is ``cold`` or ``warm`` (the generator's intent).
+    Raises:
+        ValueError: non-positive qps.
+    """
+    if qps <= 0:
+        raise ValueError("qps must be > 0")
+    rng = random.Random(seed)
+    bs = w.block_size
+    next_id = 1
+    sys_blocks = w.system_prompt // bs
+    sys_ids = list(range(next_id, next_id + sys_blocks))
+    next_id += sys_blocks
+    # session: [full block ids of last prompt, last prompt tokens, last output, last time]
+    active: deque[list] = deque()
+    out: list[SimRequest] = []
+    t = 0.0
+    # thinning for the ramp: homogeneous rate qps, accept with rate(t)/qps
+    while True:
+        t += rng.expovariate(qps)
+        if t >= duration_s:
+            break
+        if rng.random() * qps > _rate_at(t, qps, ramp_s):
+            continue
+        outl = max(1, int(w.output_tokens * (1 + w.output_jitter * (2 * rng.random() - 1))))
+        sess = None
+        if rng.random() >= w.cold_fraction and active:
+            # the longest-idle session takes the turn if it has been idle long enough
+            if t - active[0][3] >= w.min_turn_gap_s:
+                sess = active.popleft()
+                active.append(sess)
+        if sess is not None:
+            prompt = sess[1] + sess[2] + w.turn_suffix
+            if prompt > w.max_context:  # compaction: a new cold context for this session
+                prompt = w.system_prompt + w.compacted_context
+                full = prompt // bs
+                ids = sys_ids + list(range(next_id, next_id + full - sys_blocks + 1))
+                tag = "cold"
+            else:
+                keep = sess[0]
+                nb = -(-prompt // bs)
+                ids = keep + list(range(next_id, next_id + nb - len(keep)))
+                tag = "warm"
+        else:
+            ctx = int(w.first_context * (1 + w.first_context_jitter * (2 * rng.random() - 1)))
+            prompt = min(w.max_context - w.output_tokens, w.system_prompt + ctx)
+            nb = -(-prompt // bs)
+            ids = sys_ids + list(range(next_id, next_id + nb - sys_blocks))
+            tag = "cold"
+            sess = [None, 0, 0, t]
+            active.append(sess)
+            if len(active) > w.max_active_sessions:
+                active.popleft()
+        next_id = max(next_id, max(ids) + 1)
+        sess[0] = ids[: prompt // bs]
+        sess[1], sess[2], sess[3] = prompt, outl, t
+        out.append(SimRequest(round(t, 6), prompt, outl, tuple(ids), tag))
+    return out
