@@ -5,7 +5,7 @@ Keys: visible chunk ``<prefix><last_hash:016x>:<n>`` (default prefix ``cpd:kv:``
 
 Protocol:
 * :meth:`put_blocks` (the fast path) sends ``SET final value NX`` for every chunk in one
-  pipeline. A Redis command is applied atomically or not at all — a client that dies while
+  pipeline (RESP written directly from the array buffers: no payload copy on the client). A Redis command is applied atomically or not at all — a client that dies while
   sending a value leaves nothing (the server drops the incomplete command when the connection
   closes) — so WRITING, SEALED and VISIBLE collapse into one step, and ``NX`` makes the first
   sealer win. This avoids a second round trip and a server-side copy.
@@ -190,11 +190,24 @@ class RedisStore(KVStore):
             return p.execute()
 
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
+        # ``SET key value NX`` written as raw RESP straight from the numpy buffers (no join,
+        # no hiredis packing copy), all commands pipelined, then all replies read.
+        pool = self.r.connection_pool
         with self._guard():
-            p = self.r.pipeline(transaction=False)
-            for key, parts in items:
-                p.set(self._key(key), _join(parts), nx=True)
-            return [bool(x) for x in p.execute()]
+            conn = pool.get_connection()
+            try:
+                for key, parts in items:
+                    k = self._key(key).encode()
+                    vlen = sum(len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes for p in parts)
+                    hdr = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, vlen)
+                    conn.send_packed_command([hdr, *parts, b"\r\n$2\r\nNX\r\n"])
+                replies = [conn.read_response() for _ in items]
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+        return [r is not None and not isinstance(r, Exception) for r in replies]
 
     def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
         try:
