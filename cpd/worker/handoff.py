@@ -41,6 +41,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,8 @@ class _Arena:
             os.close(fd)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
         self.free: list[list[int]] = [[0, self.size]]  # sorted [offset, length]
+        # unlink even if the owner forgets close() (normal interpreter exit / garbage collection)
+        self._finalizer = weakref.finalize(self, _unlink_quiet, self.path)
 
     def alloc(self, nbytes: int) -> int | None:
         need = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
@@ -132,10 +135,14 @@ class _Arena:
             self.mm.close()
         except (BufferError, AttributeError):
             pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._finalizer()
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class _Entry:
