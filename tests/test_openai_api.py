@@ -79,6 +79,7 @@ class ScriptedBackend:
         self.requests: list[GenerationRequest] = []
         self.closed: dict[str, threading.Event] = {}      # closed/cancelled before finishing
         self.finished: dict[str, threading.Event] = {}    # yielded its finish chunk or ended
+        self.ended: dict[str, threading.Event] = {}       # returned normally (not closed)
         self.started = threading.Event()
         self.script: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]] = self.reply
         self.reply_text = REPLY
@@ -96,13 +97,15 @@ class ScriptedBackend:
         self.requests.append(req)
         closed = self.closed[req.request_id] = threading.Event()
         done = self.finished[req.request_id] = threading.Event()
+        self.ended[req.request_id] = threading.Event()
         self.started.set()
         ok = False
         try:
             async for c in self.script(req):
-                ok = ok or c.finish_reason is not None   # the front may close after this
+                ok = ok or c.finish_reason is not None
                 yield c
             ok = True
+            self.ended[req.request_id].set()      # ran past its last yield
         finally:
             (done if ok else closed).set()
 
@@ -226,7 +229,8 @@ def test_completion_text_prompt(client, be, tok):
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n, len(_reply_ids(tok)),
                                                                       n + len(_reply_ids(tok)))
     assert u.prompt_tokens_details.cached_tokens == n // 2
-    assert _wait(be.finished[req.request_id])
+    assert _wait(be.finished[req.request_id]) and _wait(be.ended[req.request_id])
+    assert not be.closed[req.request_id].is_set()
 
 
 def test_completion_defaults_and_length(client, be, tok):
@@ -299,6 +303,7 @@ def test_chat_streaming_with_usage(client, be, tok):
     assert last.choices == [] and last.usage.completion_tokens == len(_reply_ids(tok))
     assert last.usage.prompt_tokens == len(req.prompt_token_ids)
     assert last.usage.prompt_tokens_details.cached_tokens == len(req.prompt_token_ids) // 2
+    assert _wait(be.ended[req.request_id]) and not be.closed[req.request_id].is_set()
 
 
 def test_completion_streaming_without_usage(client, be, tok):
@@ -679,3 +684,28 @@ def test_extra_routes_and_health_override(tok_dir, tok, backend):
     with _Server(app) as s, httpx.Client(base_url=s.url) as h:
         assert h.get("/health").json() == {"status": "custom"}
         assert h.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_disconnect_detected_behind_http_middleware(tok_dir, tok):
+    """A caller's ``@app.middleware("http")`` (BaseHTTPMiddleware) must not hide disconnects."""
+    be = ScriptedBackend(tok)
+    app = create_app(be, tok_dir, MODEL, MAX_MODEL_LEN, tokenizer=tok)
+
+    @app.middleware("http")
+    async def passthrough(request, call_next):
+        return await call_next(request)
+
+    with _Server(app) as s:
+        for stream in (False, True):
+            be.script = _forever
+            with httpx.Client(base_url=s.url, timeout=0.4) as h:
+                if stream:   # read a few events, then hang up
+                    with h.stream("POST", C, json={"model": MODEL, "prompt": "x", "stream": True,
+                                                   "max_tokens": 200}) as r:
+                        for i, _ in enumerate(r.iter_lines()):
+                            if i > 4:
+                                break
+                else:        # give up waiting for the whole answer
+                    with pytest.raises(httpx.ReadTimeout):
+                        h.post(C, json={"model": MODEL, "prompt": "x", "max_tokens": 200})
+            assert _wait(be.closed[be.requests[-1].request_id], 5), stream

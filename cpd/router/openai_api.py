@@ -24,7 +24,9 @@ chunk is awaited before the HTTP status is sent, so a :class:`BackendError` rais
 first token still becomes a real 429/503 response; an error after that is sent as one
 ``data: {"error": {...}}`` event followed by ``[DONE]``.
 
-Cancellation: the backend generator is closed when a stop string matches, when the client
+Backend generator lifecycle: after a chunk with ``finish_reason`` the front asks for one more
+item so that the generator ends normally (code after its last ``yield`` runs); any extra chunk
+is ignored. Cancellation: the backend generator is closed when a stop string matches, when the client
 disconnects (streaming and non-streaming alike: the front listens for the ASGI
 ``http.disconnect`` message while generating), or on any error.
 
@@ -288,6 +290,7 @@ class _TextState:
         self.completion_tokens = 0
         self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
+        self.backend_finished = False   # the backend itself said it is done
 
     def on_chunk(self, chunk: GenerationChunk) -> str:
         """Text that may be sent now; sets ``finish_reason`` when the request is over."""
@@ -305,6 +308,7 @@ class _TextState:
             self.finish_reason = "stop"
             return out
         if finish is not None:
+            self.backend_finished = finish == chunk.finish_reason
             return out + self._finish(finish)
         return out
 
@@ -327,6 +331,18 @@ class _TextState:
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0}}
+
+
+async def _drain(it: Any) -> None:
+    """After a chunk with ``finish_reason``, let the backend generator run to its end (so
+    code after its last ``yield`` runs, e.g. bookkeeping) instead of closing it at the yield.
+    An extra chunk is ignored (the caller closes the generator afterwards)."""
+    try:
+        await it.__anext__()
+    except StopAsyncIteration:
+        pass
+    except Exception:
+        log.warning("backend generator failed after its final chunk", exc_info=True)
 
 
 def _sse(obj: Any) -> bytes:
@@ -555,9 +571,12 @@ class OpenAIFront:
             parts: list[str] = []
             agen = self.backend.generate(greq)
             try:
-                async for chunk in agen:
+                it = agen.__aiter__()
+                async for chunk in it:
                     parts.append(state.on_chunk(chunk))
                     if state.finish_reason is not None:
+                        if state.backend_finished:
+                            await _drain(it)
                         break
                 else:
                     parts.append(state.on_end())
@@ -642,6 +661,8 @@ class OpenAIFront:
                                 text = state.on_end()
                                 if text:
                                     await emit(chunk(text, None))
+                        if state.backend_finished:
+                            await _drain(aiter_)
                 except Exception as e:
                     if isinstance(e, BackendError):
                         err = {"error": {"message": e.message, "type": e.type, "param": None,

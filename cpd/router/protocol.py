@@ -6,6 +6,10 @@ hands a :class:`GenerationRequest` to a :class:`GenerationBackend`. The backend 
 The front owns everything textual: detokenization, stop strings, the OpenAI wire format.
 The backend owns everything about tokens: routing, sampling, EOS, ``max_tokens``.
 
+End of a request: after a chunk with ``finish_reason`` set, the front pulls once more, so
+the generator should simply return (its code after the last ``yield`` runs normally; a
+further chunk would be ignored and the generator closed).
+
 Cancellation: the front *closes* the async generator returned by
 :meth:`GenerationBackend.generate` (``await agen.aclose()``, or by cancelling the task that
 is iterating it) when it no longer wants tokens — a stop string matched, the client
