@@ -80,6 +80,7 @@ class ScriptedBackend:
         self.closed: dict[str, threading.Event] = {}      # closed/cancelled before finishing
         self.finished: dict[str, threading.Event] = {}    # yielded its finish chunk or ended
         self.ended: dict[str, threading.Event] = {}       # returned normally (not closed)
+        self.tasks: dict[str, set[int]] = {}              # asyncio tasks that drove it
         self.started = threading.Event()
         self.script: Callable[[GenerationRequest], AsyncIterator[GenerationChunk]] = self.reply
         self.reply_text = REPLY
@@ -101,9 +102,11 @@ class ScriptedBackend:
         self.started.set()
         ok = False
         try:
+            tasks = self.tasks[req.request_id] = {id(asyncio.current_task())}
             async for c in self.script(req):
                 ok = ok or c.finish_reason is not None
                 yield c
+                tasks.add(id(asyncio.current_task()))
             ok = True
             self.ended[req.request_id].set()      # ran past its last yield
         finally:
@@ -230,6 +233,7 @@ def test_completion_text_prompt(client, be, tok):
                                                                       n + len(_reply_ids(tok)))
     assert u.prompt_tokens_details.cached_tokens == n // 2
     assert _wait(be.finished[req.request_id]) and _wait(be.ended[req.request_id])
+    assert len(be.tasks[req.request_id]) == 1
     assert not be.closed[req.request_id].is_set()
 
 
@@ -304,6 +308,7 @@ def test_chat_streaming_with_usage(client, be, tok):
     assert last.usage.prompt_tokens == len(req.prompt_token_ids)
     assert last.usage.prompt_tokens_details.cached_tokens == len(req.prompt_token_ids) // 2
     assert _wait(be.ended[req.request_id]) and not be.closed[req.request_id].is_set()
+    assert len(be.tasks[req.request_id]) == 1   # one task drives the generator end to end
 
 
 def test_completion_streaming_without_usage(client, be, tok):

@@ -259,25 +259,40 @@ class _ClientGone(Exception):
     pass
 
 
-async def _race_disconnect(aw: Awaitable[Any], receive: Callable[[], Awaitable[dict]]) -> Any:
-    """Await ``aw``; if the client disconnects first, cancel it and raise _ClientGone."""
-    task = asyncio.ensure_future(aw)
-    disc = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, disc}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        disc.cancel()
-        raise
-    if task.done():
-        disc.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:
-        pass
-    raise _ClientGone()
+class _CancelOnDisconnect:
+    """``async with _CancelOnDisconnect(receive):`` — if the client disconnects while the body
+    runs, the *current* task is cancelled and the block raises :class:`_ClientGone`.
+
+    Cancelling the current task (instead of running the work in a helper task) keeps every
+    step of the backend generator in one task, so generators that hold task-bound state
+    across ``yield`` (anyio cancel scopes, context variables) keep working. Call only after
+    the request body has been read completely.
+    """
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]):
+        self._receive = receive
+        self.gone = False
+
+    async def __aenter__(self) -> "_CancelOnDisconnect":
+        self._task = asyncio.current_task()
+        self._watch = asyncio.ensure_future(self._run())
+        return self
+
+    async def _run(self) -> None:
+        await _wait_disconnect(self._receive)
+        self.gone = True
+        self._task.cancel()
+
+    async def __aexit__(self, et, exc, tb) -> bool:
+        self._watch.cancel()
+        if not self.gone:
+            return False
+        uncancel = getattr(self._task, "uncancel", None)   # Python >= 3.11
+        if uncancel is not None:
+            uncancel()
+        if et is None or issubclass(et, (asyncio.CancelledError, _ClientGone)):
+            raise _ClientGone()
+        return False
 
 
 class _TextState:
@@ -358,6 +373,7 @@ class _SSEResponse(Response):
     While the producer runs, the response also listens for ``http.disconnect``; on
     disconnect it cancels the producer (whose ``finally`` closes the backend generator).
     This does not depend on the ASGI server's spec version or on a send() failing.
+    The producer runs in the request's own task.
     """
 
     media_type = "text/event-stream"
@@ -376,25 +392,12 @@ class _SSEResponse(Response):
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        prod = asyncio.ensure_future(self._producer(emit))
-        disc = asyncio.ensure_future(_wait_disconnect(receive))
         try:
-            await asyncio.wait({prod, disc}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not prod.done():
-                prod.cancel()
-                try:
-                    await prod
-                except BaseException:
-                    pass
-            disc.cancel()
-        if not prod.cancelled() and prod.exception() is None:
-            try:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:
-                pass
-        elif not prod.cancelled() and not isinstance(prod.exception(), OSError):
-            log.error("stream producer failed", exc_info=prod.exception())
+            async with _CancelOnDisconnect(receive):
+                await self._producer(emit)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (_ClientGone, OSError):
+            pass   # the producer's finally has closed the backend generator
 
 
 # ----------------------------------------------------------------------------- the front
@@ -584,7 +587,8 @@ class OpenAIFront:
                 await _aclose(agen)
             return "".join(parts)
 
-        text = await _race_disconnect(run(), request.receive)
+        async with _CancelOnDisconnect(request.receive):
+            text = await run()
         usage = state.usage(len(p.prompt_ids))
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -612,7 +616,8 @@ class OpenAIFront:
                 return None
 
         try:
-            first = await _race_disconnect(first_chunk(), request.receive)
+            async with _CancelOnDisconnect(request.receive):
+                first = await first_chunk()
         except BaseException:
             await _aclose(agen)
             raise
