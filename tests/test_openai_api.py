@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import socket
 import tempfile
 import threading

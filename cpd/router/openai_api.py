@@ -57,11 +57,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,7 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cpd.router.errors import (INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid,
-                               retry_after_header, type_for_status)
+                               type_for_status)
 from cpd.router.protocol import (BackendError, GenerationBackend, GenerationChunk,
                                  GenerationRequest, SamplingOptions)
 from cpd.router.tokenization import MessageError, Tokenizer, load_tokenizer
