@@ -33,7 +33,7 @@ from cpd.engine.scheduler import SchedulerConfig
 from cpd.policy.cost_model import Efficiency, RooflineCostModel
 from cpd.policy.routing import ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, RoutingConfig
 from cpd.sim.simulator import ClusterSpec, InstanceSpec, Simulator
-from cpd.sim.workload import AgentWorkload, SimRequest, generate_agent, load_mooncake
+from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload, load_mooncake
 
 EXPERIMENTS_DIR = Path(__file__).parent / "experiments"
 
@@ -77,8 +77,9 @@ def build_cluster(exp: dict, config: str, exact_decode: bool = False) -> Cluster
     return ClusterSpec(tuple(insts), rc, pcost, bs, l3, exp.get("kv_event_delay_s", 0.05), exact_decode)
 
 
-def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None) -> list[SimRequest]:
-    """Requests for one sweep point (``ramp_s + steady_s`` seconds of arrivals)."""
+def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None
+                  ) -> tuple[list[SimRequest], list]:
+    """(requests, prewarm block lists) for one sweep point (``ramp_s + steady_s`` s of arrivals)."""
     w = dict(exp["workload"])
     w.update(overrides or {})
     kind = w.pop("kind", "agent")
@@ -86,14 +87,14 @@ def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None
     if kind == "agent":
         names = {f.name for f in fields(AgentWorkload)}
         aw = AgentWorkload(**{k: v for k, v in w.items() if k in names})
-        return generate_agent(aw, total_qps, dur, exp.get("ramp_s", 30), seed)
+        return agent_workload(aw, total_qps, dur, exp.get("ramp_s", 30), seed)
     if kind == "mooncake":
         reqs = load_mooncake(w["path"], tokens_per_hash_id=w.get("tokens_per_hash_id", 512),
                              spread_ticks_s=w.get("spread_ticks_s", 0.0))
         natural = len(reqs) / max(1e-9, reqs[-1].arrival_s - reqs[0].arrival_s)
         scale = total_qps / natural
         return [SimRequest(r.arrival_s / scale, r.prompt_tokens, r.output_tokens, r.blocks, r.tag)
-                for r in reqs if r.arrival_s / scale < dur]
+                for r in reqs if r.arrival_s / scale < dur], []
     raise ValueError(f"unknown workload kind {kind!r}")
 
 
@@ -191,10 +192,10 @@ def run_point(exp: dict, config: str, qps_per_gpu: float, overrides: dict | None
     cluster = build_cluster(exp, config, exact_decode)
     total = qps_per_gpu * cluster.num_gpus
     seed = int(exp.get("seed", 0))
-    reqs = make_workload(exp, total, seed, overrides)
+    reqs, prewarm = make_workload(exp, total, seed, overrides)
     ramp, steady = exp.get("ramp_s", 30), exp.get("steady_s", 600)
     t0, t1 = float(ramp), float(ramp + steady)
-    sim = Simulator(cluster, reqs, stop_s=t1 + exp.get("drain_s", 60), on_progress=on_progress)
+    sim = Simulator(cluster, reqs, stop_s=t1 + exp.get("drain_s", 60), on_progress=on_progress, prewarm=prewarm)
     snaps = {}
     sim.at(t0, lambda now: snaps.__setitem__("a", _snapshot(sim)))
     sim.at(t1, lambda now: snaps.__setitem__("b", _snapshot(sim)))

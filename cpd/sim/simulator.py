@@ -123,11 +123,12 @@ class Simulator:
         cluster: the deployment.
         requests: arrivals (any order; sorted by time then index).
         stop_s: stop processing events at this virtual time (None: run to completion).
-        on_progress: optional ``callable(virtual_now)`` called every ~1000 events.
+        on_progress: optional ``callable(virtual_now)`` called every ~2000 events.
+        prewarm: block-id lists placed in L3 (and the router's view) at t=0.
     """
 
     def __init__(self, cluster: ClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None,
-                 on_progress: Callable[[float], None] | None = None):
+                 on_progress: Callable[[float], None] | None = None, prewarm: Sequence[Sequence[int]] = ()):
         self.c = cluster
         self.bs = cluster.block_size
         self.now = 0.0
@@ -151,6 +152,11 @@ class Simulator:
         self.rec: list[list] = [None] * len(self.reqs)
         self.events_run = 0
         self.nroute = 0
+        if self.l3 is not None:  # sessions that exist before t=0: their history is in L3
+            for blocks in prewarm:
+                new, ev = self.l3.touch_insert(tuple(blocks))
+                self.v_l3.update(new)
+                self.v_l3.difference_update(ev)
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
 

@@ -106,7 +106,11 @@ class AgentWorkload:
     prompt plus ``first_context`` new tokens) and otherwise a *warm* turn of an existing
     session: its previous prompt + previous output + a new ``turn_suffix``. A session whose
     prompt would exceed ``max_context`` is compacted: its next request is cold, with a fresh
-    ``compacted_context``-token summary (extra cold requests). A warm turn goes to the
+    ``compacted_context``-token summary (extra cold requests). With ``prewarm`` the run
+    starts in steady state: ``qps * mean_turn_gap_s`` sessions already exist at t=0 (their
+    history is returned separately so the simulator can place it in L3; it is not written
+    as requests), and the pool keeps that size (a new session retires the longest-idle
+    one), so a session's turns come about ``mean_turn_gap_s`` apart. A warm turn goes to the
     longest-idle session if its last request is at least ``min_turn_gap_s`` old; otherwise a
     new session starts instead (so the realised cold fraction can exceed the knob).
     """
@@ -122,6 +126,8 @@ class AgentWorkload:
     compacted_context: int = 40_000
     min_turn_gap_s: float = 10.0
     max_active_sessions: int = 400
+    mean_turn_gap_s: float = 30.0
+    prewarm: bool = True
     block_size: int = TRACE_BLOCK
 
 
@@ -131,10 +137,17 @@ def _rate_at(t: float, qps: float, ramp_s: float) -> float:
 
 def generate_agent(w: AgentWorkload, qps: float, duration_s: float, ramp_s: float = 0.0,
                    seed: int = 0) -> list[SimRequest]:
+    """Requests only (see :func:`agent_workload`)."""
+    return agent_workload(w, qps, duration_s, ramp_s, seed)[0]
+
+
+def agent_workload(w: AgentWorkload, qps: float, duration_s: float, ramp_s: float = 0.0,
+                   seed: int = 0) -> tuple[list[SimRequest], list[tuple[int, ...]]]:
     """Seeded Poisson arrivals at ``qps`` (linear ramp from 0 over ``ramp_s``) for ``duration_s`` s.
 
     Returns:
-        requests in arrival order; ``tag`` is ``cold`` or ``warm`` (the generator's intent).
+        (requests in arrival order, with ``tag`` = ``cold``/``warm`` (the generator's intent);
+        full-block id lists of the sessions that exist at t=0 (empty unless ``w.prewarm``)).
     Raises:
         ValueError: non-positive qps.
     """
@@ -149,6 +162,20 @@ def generate_agent(w: AgentWorkload, qps: float, duration_s: float, ramp_s: floa
     # session: [full block ids of last prompt, last prompt tokens, last output, last time]
     active: deque[list] = deque()
     out: list[SimRequest] = []
+    prewarm: list[tuple[int, ...]] = []
+    cap = w.max_active_sessions
+    if w.prewarm:
+        cap = max(1, int(round(qps * w.mean_turn_gap_s)))
+        for k in range(cap):
+            ctx = int(w.first_context * (1 + w.first_context_jitter * (2 * rng.random() - 1)))
+            ctx += int(rng.random() * (w.max_context - w.system_prompt - ctx - w.turn_suffix) * 0.5)
+            prompt = w.system_prompt + max(0, ctx)
+            nb = prompt // bs
+            ids = sys_ids + list(range(next_id, next_id + nb - sys_blocks))
+            next_id += nb - sys_blocks
+            prewarm.append(tuple(ids))
+            # last use spread over the past gap, oldest first
+            active.append([ids, prompt, w.output_tokens, -w.mean_turn_gap_s * (1 - k / cap)])
     t = 0.0
     # thinning for the ramp: homogeneous rate qps, accept with rate(t)/qps
     while True:
@@ -184,10 +211,10 @@ def generate_agent(w: AgentWorkload, qps: float, duration_s: float, ramp_s: floa
             tag = "cold"
             sess = [None, 0, 0, t]
             active.append(sess)
-            if len(active) > w.max_active_sessions:
+            if len(active) > cap:
                 active.popleft()
         next_id = max(next_id, max(ids) + 1)
         sess[0] = ids[: prompt // bs]
         sess[1], sess[2], sess[3] = prompt, outl, t
         out.append(SimRequest(round(t, 6), prompt, outl, tuple(ids), tag))
-    return out
+    return out, prewarm

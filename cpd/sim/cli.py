@@ -1,0 +1,55 @@
+"""``cpd simulate EXPERIMENT.json``: run a sweep, write results.json, PNG plots and report.md.
+
+Mountable: ``app.command("simulate")(simulate)``; also ``python -m cpd.sim.cli EXPERIMENT``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def simulate(
+    experiment: Path = typer.Argument(..., help="experiment JSON, or a shipped name such as reference_b200"),
+    out: Path = typer.Option(Path("sim_out"), "--out", "-o", help="output folder"),
+    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="only these configurations"),
+    qps: Optional[List[float]] = typer.Option(None, "--qps", help="only these QPS/GPU points"),
+    steady_s: Optional[float] = typer.Option(None, help="override the steady window (s)"),
+    study: bool = typer.Option(False, help="also run the cold-fraction x output-length study"),
+    progress: bool = typer.Option(True, help="show a progress bar"),
+) -> None:
+    """Simulate the experiment's configurations over its load sweep (deterministic)."""
+    from cpd.sim.experiment import load_experiment
+    from cpd.sim.report import markdown, plot_sweep
+    from cpd.sim.sweep import run_study, run_sweep
+
+    exp = load_experiment(experiment)
+    if steady_s is not None:
+        exp["steady_s"] = steady_s
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    res = run_sweep(exp, list(config) if config else None, list(qps) if qps else None, progress=progress)
+    wall = time.perf_counter() - t
+    sim_s = sum(p["simulated_s"] for p in res["points"])
+    (out / "results.json").write_text(json.dumps(res, sort_keys=True, indent=1) + "\n")
+    st = None
+    if study and "study" in exp:
+        st = run_study(exp, progress=progress)
+        (out / "study.json").write_text(json.dumps(st, sort_keys=True, indent=1) + "\n")
+    plot_sweep(res, out)
+    (out / "report.md").write_text(markdown(res, exp, st))
+    typer.echo(f"{len(res['points'])} points, {sim_s:.0f} simulated s in {wall:.1f} wall s "
+               f"({sim_s / max(wall, 1e-9):.0f} simulated s per wall s)")
+    for c, s in res["saturation"].items():
+        typer.echo(f"  {c}: saturation {s['qps_per_gpu']} QPS/GPU ({s['bounded']})")
+    typer.echo(f"wrote {out}/results.json, report.md, *.png")
+
+
+app = typer.Typer(add_completion=False)
+app.command("simulate")(simulate)
+
+if __name__ == "__main__":
+    typer.run(simulate)
