@@ -108,6 +108,7 @@ class _CommonRequest(BaseModel):
     ignore_eos: Optional[StrictBool] = False       # vLLM extension
     cache_salt: Optional[StrictStr] = None          # vLLM extension
     stop_token_ids: Optional[list[StrictInt]] = None  # vLLM extension
+    return_token_ids: Optional[StrictBool] = False  # vLLM extension (non-streaming): ids in the choice
     n: Optional[StrictInt] = None
     user: Any = None
     logprobs: Any = None
@@ -174,6 +175,7 @@ class _Prepared:
     include_usage: bool
     cache_salt: str | None
     arrival: float
+    return_token_ids: bool = False
 
 
 def _check_unsupported(req: _CommonRequest, chat: bool) -> None:
@@ -302,6 +304,7 @@ class _TextState:
         self.stopper = StopStringMatcher(stops)
         self.max_tokens = max_tokens
         self.completion_tokens = 0
+        self.token_ids: list[int] = []  # every generated id counted in completion_tokens
         self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.backend_finished = False   # the backend itself said it is done
@@ -317,6 +320,7 @@ class _TextState:
             ids = ids[:max(room, 0)]
             finish = "length"
         self.completion_tokens += len(ids)
+        self.token_ids.extend(ids)
         out, stopped = self.stopper.feed(self.detok.push(ids))
         if stopped:
             self.finish_reason = "stop"
@@ -541,7 +545,8 @@ class OpenAIFront:
         return _Prepared(endpoint="chat.completions" if chat else "completions",
                          request_id=prefix + uuid.uuid4().hex, created=int(time.time()),
                          prompt_ids=prompt_ids, sampling=sampling, stops=stops, stream=stream,
-                         include_usage=include_usage, cache_salt=req.cache_salt, arrival=arrival)
+                         include_usage=include_usage, cache_salt=req.cache_salt, arrival=arrival,
+                         return_token_ids=bool(req.return_token_ids))
 
     # -- serving ------------------------------------------------------------------------
 
@@ -597,6 +602,9 @@ class OpenAIFront:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": state.finish_reason}
             obj = "text_completion"
+        if p.return_token_ids:
+            choice["token_ids"] = state.token_ids
+            choice["prompt_token_ids"] = p.prompt_ids
         return JSONResponse({"id": p.request_id, "object": obj, "created": p.created,
                              "model": self.model_name, "choices": [choice], "usage": usage,
                              "system_fingerprint": None})
@@ -694,7 +702,8 @@ class OpenAIFront:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "cpd", "root": self.model_name, "parent": None,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "special_token_ids": sorted(self.tokenizer.special_ids)}
 
 
 def _backend_error_response(e: BackendError) -> JSONResponse:
