@@ -121,6 +121,7 @@ def test_preemption_under_block_pressure(make_engine, oracle):
     out = run_all(e, [EngineRequest(f"r{i}", p, sp) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert tokens(out[f"r{i}"]) == oracle(p, sp)
+    assert e.num_preemptions > 0
 
 
 def test_l2_promotion(make_engine, oracle):

@@ -117,3 +117,16 @@ def test_smollm2_matches_transformers():
     got = eng.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))
     assert got == _hf_greedy(hf, prompt, 20)
     assert "Paris" in tok.decode(got)
+
+
+def test_digests_are_cached_and_track_content(tmp_path):
+    from cpd.engine.weights import tokenizer_digest, weights_digest
+
+    a = make_tiny_llama_dir(tmp_path / "a", seed=0)
+    b = make_tiny_llama_dir(tmp_path / "b", seed=0)
+    c = make_tiny_llama_dir(tmp_path / "c", seed=1)
+    assert weights_digest(a) == weights_digest(b) != weights_digest(c)
+    assert (a / ".cpd_digests.json").exists() and weights_digest(a) == weights_digest(a)
+    assert tokenizer_digest(a) == tokenizer_digest(c) and len(tokenizer_digest(a)) == 64
+    (a / "tokenizer.json").write_text((a / "tokenizer.json").read_text() + " ")
+    assert tokenizer_digest(a) != tokenizer_digest(c)

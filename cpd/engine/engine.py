@@ -15,8 +15,10 @@ in the prefix cache, writes through to L3 if asked, samples and checks stops.
 
 Threading: :meth:`add_request`, :meth:`add_decode_request`, :meth:`abort` and
 :meth:`release` may be called from any thread; they enqueue a command that the
-next :meth:`step` applies (or apply it at once when no step is running).
-:meth:`step` must be called from one thread at a time.
+next :meth:`step` applies (or apply it at once, in the caller's thread, when no
+step is running — so the ``event_sink`` may be called from either thread).
+:meth:`step` must be called from one thread at a time. :meth:`export_kv` only
+reads blocks that are pinned by the held request and may run concurrently with a step.
 """
 from __future__ import annotations
 
@@ -180,6 +182,7 @@ class Engine:
         self._pending_prefill_tokens = 0
         self._load = {"queued_prefill_tokens": 0, "running_requests": 0, "waiting_requests": 0, "kv_usage": 0.0}
         self.num_steps = 0
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -413,7 +416,8 @@ class Engine:
             self._free(r)
 
     def _update_load(self) -> None:
-        q = sum(max(0, r.prompt_len - r.num_computed) for r in list(self._waiting) + self._running)
+        q = sum(max(0, r.prompt_len - r.num_computed) for r in list(self._waiting) + self._running
+                if r.import_kv is None)
         st = self.pool.stats()
         self._load = {"queued_prefill_tokens": q, "running_requests": len(self._running),
                       "waiting_requests": len(self._waiting), "kv_usage": st["num_in_use"] / st["num_total"]}
@@ -620,6 +624,7 @@ class Engine:
             if plan.preempted:
                 pre = set(plan.preempted)
                 victims = [r for r in self._running if r.id in pre]
+                self.num_preemptions += len(victims)
                 self._running = [r for r in self._running if r.id not in pre]
                 for r in reversed(victims):
                     self._unprepare(r)
