@@ -1,5 +1,6 @@
-"""L3 KV store: one interface (:class:`KVStore`), backends ``file://DIR`` and
-``redis://HOST:PORT[/DB]``, and the engine-facing :class:`~cpd.store.connector.L3Connector`.
+"""L3 KV store: one interface (:class:`KVStore`), backends ``file://DIR``, ``redis://HOST:PORT[/DB]``
+and ``redis+cluster://HOST:PORT[,HOST:PORT...]``, and the engine-facing
+:class:`~cpd.store.connector.L3Connector`.
 
 See :mod:`cpd.store.base` for keys, chunking, the value wire format and the visibility
 protocol (DESIGN §4)."""
@@ -8,19 +9,61 @@ from __future__ import annotations
 from urllib.parse import parse_qs, urlparse
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, EventSink, KVStore, PendingWrite, StoreStats,
-                            StoreUnavailable)
+                            StoreTimeout, StoreUnavailable)
 
-__all__ = ["KVStore", "PendingWrite", "StoreStats", "StoreUnavailable", "open_store"]
+__all__ = ["KVStore", "PendingWrite", "StoreStats", "StoreTimeout", "StoreUnavailable", "open_store",
+           "parse_size"]
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def parse_size(v: str | int) -> int:
+    """``"1073741824"``, ``"512M"``, ``"1.5G"``, ``"64KiB"`` -> bytes (binary multiples)."""
+    if isinstance(v, int):
+        return v
+    s = v.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(float(s))
+
+
+def _hosts(netloc: str) -> list[tuple[str, int]]:
+    out = []
+    for hp in netloc.rpartition("@")[2].split(","):
+        if not hp:
+            continue
+        h, _, p = hp.rpartition(":")
+        out.append((h or "127.0.0.1", int(p)) if h else (hp, 6379))
+    return out or [("127.0.0.1", 6379)]
 
 
 def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: int | None = None,
-               stale_timeout_s: float | None = None, timeout_s: float | None = None) -> KVStore:
+               stale_timeout_s: float | None = None, timeout_s: float | None = None,
+               capacity_bytes: int | None = None, watch_evictions: bool | None = None) -> KVStore:
     """Open a store from a URL.
 
-    URLs: ``file:///dev/shm/cpd-kv`` (or ``file://relative/dir``) and
-    ``redis://host:port[/db]``. Query parameters: ``chunk_blocks`` (int, default 1),
-    ``stale_timeout_s`` (float, default 30), ``timeout_s`` (redis only, default 0.5),
-    ``prefix`` (redis key prefix, default ``cpd:kv:``). Keyword arguments override the query.
+    URLs: ``file:///dev/shm/cpd-kv`` (or ``file://relative/dir``), ``redis://host:port[/db]``
+    (standalone) and ``redis+cluster://host:port[,host:port...]`` (Redis Cluster; the listed
+    nodes are seeds, the rest is discovered; also ``redis://host:port?cluster=1``).
+
+    Query parameters (keyword arguments override them):
+
+    * ``chunk_blocks`` (int, default 1): blocks per stored value. 1 = block-granular hits and
+      the most keys/round-trip work per block; larger values (4-16) cut per-value overhead
+      (one key, header, checksum, server entry per chunk) and suit long shared prefixes, but a
+      prefix is found only up to the last whole chunk it contains, and every process sharing a
+      store must use the same value.
+    * ``capacity_bytes`` (int or ``512M``/``2G``, default 0 = unlimited): LRU eviction over
+      visible chunks above this size, publishing ``BlockRemoved``; all processes sharing a
+      store should use the same value.
+    * ``stale_timeout_s`` (float, default 30): reclaim age of abandoned staging data.
+    * ``timeout_s`` (redis, default 0.5): connect/socket timeout; a slower store is a miss.
+    * ``prefix`` (redis, default ``cpd:kv:``): key prefix.
+    * ``watch_evictions`` (redis, 0/1, default 0): turn the server's own maxmemory evictions
+      into ``BlockRemoved`` events (keyspace notifications, background thread).
+    * ``evict_interval_s`` (file, default 5): how often a writer rescans the directory for
+      data written by other processes when enforcing ``capacity_bytes``.
 
     Raises:
         ValueError: unknown scheme.
@@ -31,13 +74,20 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
     cb = chunk_blocks if chunk_blocks is not None else int(q.get("chunk_blocks", 1))
     st = stale_timeout_s if stale_timeout_s is not None else float(
         q.get("stale_timeout_s", DEFAULT_STALE_TIMEOUT_S))
+    cap = capacity_bytes if capacity_bytes is not None else parse_size(q.get("capacity_bytes", "0"))
     if u.scheme == "file":
         from cpd.store.file_store import FileStore
-        return FileStore(u.netloc + u.path, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st)
-    if u.scheme == "redis":
+        return FileStore(u.netloc + u.path, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st,
+                         capacity_bytes=cap, evict_interval_s=float(q.get("evict_interval_s", 5.0)))
+    if u.scheme in ("redis", "redis+cluster", "rediss+cluster"):
+        to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
+        we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE
+        kw = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
+                  stale_timeout_s=st, capacity_bytes=cap, watch_evictions=we)
+        if u.scheme != "redis" or q.get("cluster", "0").lower() in _TRUE:
+            from cpd.store.redis_cluster_store import RedisClusterStore
+            return RedisClusterStore(_hosts(u.netloc), **kw)
         from cpd.store.redis_store import RedisStore
         db = int(u.path.strip("/") or 0)
-        to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
-        return RedisStore(u.hostname or "127.0.0.1", u.port or 6379, db, prefix=q.get("prefix", "cpd:kv:"),
-                          timeout_s=to, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st)
+        return RedisStore(u.hostname or "127.0.0.1", u.port or 6379, db, **kw)
     raise ValueError(f"unknown store URL scheme: {url!r}")

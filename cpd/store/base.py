@@ -67,6 +67,10 @@ class StoreUnavailable(Exception):
     as a miss (DESIGN §4 'Fallbacks')."""
 
 
+class StoreTimeout(StoreUnavailable):
+    """The store did not answer within the configured timeout (a slow or stalled store)."""
+
+
 class CorruptValue(Exception):
     """A stored value failed validation (internal; stores turn it into a miss)."""
 
@@ -89,6 +93,7 @@ class StoreStats:
     misses: int = 0
     corrupt: int = 0
     reclaimed: int = 0
+    evicted: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -230,6 +235,24 @@ def cover(present: dict[ChunkKey, bool], block_hashes: Sequence[int], chunk_bloc
     return covered, chain
 
 
+def header_hashes(buf) -> list[int] | None:
+    """Block hashes named by a value's header (``buf`` may be just a prefix of the value that
+    holds the whole header); None if the header is unreadable."""
+    mv = memoryview(buf).cast("B")
+    try:
+        magic, ver, n, _, _, dlen = _HDR.unpack_from(mv, 0)
+        if magic != MAGIC or ver != VERSION or n == 0:
+            return None
+        return list(struct.unpack_from(f"<{n}Q", mv, _HDR.size + dlen))
+    except struct.error:
+        return None
+
+
+def header_prefix_len(n_blocks: int) -> int:
+    """Bytes that always contain the header of an ``n_blocks`` chunk (desc is short)."""
+    return _HDR.size + 1024 + 8 * n_blocks
+
+
 def candidate_keys(block_hashes: Sequence[int], chunk_blocks: int) -> list[ChunkKey]:
     return [(int(h), n) for h in block_hashes for n in range(1, chunk_blocks + 1)]
 
@@ -265,6 +288,9 @@ class KVStore(ABC):
         chunk_blocks: max blocks per value (>= 1); see the module docstring.
         event_sink: receives ``BlockStored``/``BlockRemoved`` (``medium="L3"``) events.
         stale_timeout_s: age after which abandoned staging data is reclaimed.
+        capacity_bytes: if > 0, visible data is kept at or below this many bytes (value sizes
+            incl. headers) by evicting least-recently-used chunks after writes; every eviction
+            publishes ``BlockRemoved(medium="L3")`` naming all blocks of the chunk.
 
     Every method raises :class:`StoreUnavailable` (and nothing else) on store faults.
     """
@@ -272,9 +298,12 @@ class KVStore(ABC):
     url: str = ""
 
     def __init__(self, chunk_blocks: int = 1, event_sink: EventSink | None = None,
-                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S):
+                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S, capacity_bytes: int = 0):
         if chunk_blocks < 1:
             raise ValueError("chunk_blocks must be >= 1")
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self.capacity_bytes = int(capacity_bytes)
         self.chunk_blocks = int(chunk_blocks)
         self.event_sink = event_sink
         self.stale_timeout_s = float(stale_timeout_s)
@@ -317,6 +346,12 @@ class KVStore(ABC):
 
     def close(self) -> None:
         """Release connections/handles (idempotent)."""
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Evict least-recently-used visible chunks until at most ``max_bytes`` remain
+        (emits ``BlockRemoved`` for every block of each evicted chunk). Returns chunks evicted.
+        Raises: StoreUnavailable."""
+        raise NotImplementedError
 
     # ---- events -------------------------------------------------------------------------
     def _emit(self, ev: KVCacheEvent) -> None:

@@ -9,8 +9,18 @@ go to the temp file; SEALED+VISIBLE = ``os.link(temp, final)``, which is atomic 
 ``EEXIST`` if another writer sealed first (first sealer wins — ``rename`` would silently
 overwrite); then the temp name is unlinked. A writer killed at any point leaves at most a temp
 file, which no reader opens and :meth:`FileStore.reclaim_stale` deletes once older than
-``stale_timeout_s`` (also run opportunistically by writers). Eviction is explicit
-(:meth:`KVStore.delete`, :meth:`FileStore.evict_to`).
+``stale_timeout_s`` (also run opportunistically by writers).
+
+Capacity (``capacity_bytes > 0``): LRU by file mtime. A read ``utime``s the chunks it served
+(mtime = last access; the file's content never changes after sealing, so mtime is free to
+carry recency across processes — atime is unreliable under ``relatime``/``noatime``). After a
+write, a writer whose running estimate of the directory size (last scan + its own writes)
+exceeds the capacity — or whose last scan is older than ``evict_interval_s`` — rescans and
+evicts oldest-first down to the capacity (:meth:`FileStore.evict_to`). Each eviction reads the
+chunk's header first, so ``BlockRemoved`` names every block of the chunk; ``unlink`` decides
+which of several concurrent evictors reports it. Other processes' writes are noticed at the
+next rescan, so the directory may exceed the capacity by what others wrote within one
+``evict_interval_s``.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
-                            StoreUnavailable, encode_parts)
+                            StoreUnavailable, encode_parts, header_hashes, header_prefix_len)
 
 _TMP = ".tmp."
 _EXT = ".kv"
@@ -118,8 +128,12 @@ class FileStore(KVStore):
     I/O error other than a missing chunk, raises :class:`StoreUnavailable`)."""
 
     def __init__(self, root: str, chunk_blocks: int = 1, event_sink: EventSink | None = None,
-                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S):
-        super().__init__(chunk_blocks, event_sink, stale_timeout_s)
+                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S, capacity_bytes: int = 0,
+                 evict_interval_s: float = 5.0):
+        super().__init__(chunk_blocks, event_sink, stale_timeout_s, capacity_bytes)
+        self.evict_interval_s = float(evict_interval_s)
+        self._used_est = 0
+        self._last_scan = 0.0
         self.root = os.path.abspath(root)
         self.url = f"file://{self.root}"
         try:
@@ -160,6 +174,11 @@ class FileStore(KVStore):
                     buf = np.empty(size, dtype=np.uint8)
                     got = f.readinto(memoryview(buf))
                     out.append(buf if got == size else buf[:got])
+                    if self.capacity_bytes:
+                        try:
+                            os.utime(f.fileno())  # LRU: mtime = last access
+                        except OSError:
+                            pass
             except FileNotFoundError:
                 self._check_root()
                 out.append(None)
@@ -185,7 +204,16 @@ class FileStore(KVStore):
             except BaseException:
                 w.abort()
                 raise
+            if res[-1]:
+                self._used_est += w.total
+        if self.capacity_bytes and any(res):
+            self._maybe_evict()
         return res
+
+    def _maybe_evict(self) -> None:
+        now = time.monotonic()
+        if self._used_est > self.capacity_bytes or now - self._last_scan > self.evict_interval_s:
+            self.evict_to(self.capacity_bytes)
 
     def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
         p = self._path(key)
@@ -261,29 +289,47 @@ class FileStore(KVStore):
         return n
 
     def evict_to(self, max_bytes: int) -> int:
-        """Delete least-recently-modified chunks until visible data is at most ``max_bytes``
-        (emits ``BlockRemoved``). Returns chunks evicted. Raises: StoreUnavailable."""
+        """Delete least-recently-used chunks (oldest mtime; reads refresh it when a capacity is
+        set) until visible data is at most ``max_bytes``; emits ``BlockRemoved`` naming every
+        block of each evicted chunk. Returns chunks evicted. Raises: StoreUnavailable."""
         entries = []
         total = 0
         self._check_root()
-        with os.scandir(self.root) as it:
-            for e in it:
-                k = _parse(e.name)
-                if k is None:
-                    continue
-                try:
-                    st = e.stat()
-                except FileNotFoundError:
-                    continue
-                entries.append((st.st_mtime, k, st.st_size))
-                total += st.st_size
+        try:
+            with os.scandir(self.root) as it:
+                for e in it:
+                    k = _parse(e.name)
+                    if k is None:
+                        continue
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    entries.append((st.st_mtime_ns, k, st.st_size))
+                    total += st.st_size
+        except OSError as e:
+            raise self._unavailable(e)
         entries.sort()
-        victims = []
+        removed: list[int] = []
+        n = 0
         for _, k, size in entries:
             if total <= max_bytes:
                 break
-            victims.append(k)
             total -= size
-        gone = self._delete_keys(victims) if victims else []
-        self._emit_removed(sorted({k[0] for k, g in zip(victims, gone) if g}))
-        return sum(gone)
+            p = self._path(k)
+            hs = None
+            try:
+                with open(p, "rb") as f:
+                    hs = header_hashes(f.read(header_prefix_len(k[1])))
+                os.unlink(p)
+            except FileNotFoundError:
+                continue  # someone else evicted/deleted it (and reports it)
+            except OSError as e:
+                raise self._unavailable(e)
+            n += 1
+            removed.extend(hs if hs and hs[-1] == k[0] else [k[0]])
+        self._used_est = total
+        self._last_scan = time.monotonic()
+        self._emit_removed(sorted(set(removed)))
+        self._bump(evicted=n)
+        return n

@@ -1,7 +1,12 @@
-"""``redis://HOST:PORT[/DB]`` backend (Redis or Valkey, standalone) via redis-py + hiredis.
+"""``redis://HOST:PORT[/DB]`` backend (Redis or Valkey, standalone) via redis-py + hiredis; the
+Redis Cluster variant lives in :mod:`cpd.store.redis_cluster_store`.
 
 Keys: visible chunk ``<prefix><last_hash:016x>:<n>`` (default prefix ``cpd:kv:``); staging
-``<prefix>stage:<...>`` with a TTL of ``stale_timeout_s``.
+``<prefix>stage:<...>`` with a TTL of ``stale_timeout_s``. Bookkeeping (only with a capacity
+or the eviction watcher): ``{<prefix>meta}:lru`` (sorted set chunk key -> last access, unix
+seconds), ``{<prefix>meta}:info`` (hash chunk key -> ``"<size> <hash_hex>,..."``, the value
+size and every block hash of the chunk) and ``{<prefix>meta}:used`` (visible bytes). The
+three share a hash tag, so one Lua script updates them atomically, in a cluster too.
 
 Protocol:
 * :meth:`put_blocks` (the fast path) sends ``SET final value NX`` for every chunk in one
@@ -16,16 +21,34 @@ Protocol:
   ``PERSIST`` — atomic, first wins. A staging key never sealed expires by its TTL (Redis
   reclaims it; no reader looks at it).
 * :meth:`lookup_prefix` is one pipelined round trip of ``EXISTS`` per candidate key; reads are
-  one pipelined ``GET`` round trip. Corrupt values are deleted by a Lua script only if the
-  value's checksum trailer is unchanged (so a good value written meanwhile survives).
-* Evictions done by Redis itself (``maxmemory-policy allkeys-lru``) produce no
-  ``BlockRemoved`` events; the router learns of them as stale hits on load.
+  one pipelined ``GET`` round trip (plus the LRU touches in the same pipeline). Corrupt values
+  are deleted by a Lua script only if the value's checksum trailer is unchanged (so a good value
+  written meanwhile survives).
 
-Timeouts: connect and socket read/write timeouts default to 0.5 s and redis-py retries are
-disabled, so an unreachable server raises :class:`StoreUnavailable` within about a second.
+Capacity (``capacity_bytes > 0``): LRU over visible chunks, shared by every process using the
+store (the recency lives in the server's sorted set; reads and writes ``ZADD`` it in the same
+pipeline; the clock is the client's wall clock). After a write pushes ``used`` over the
+capacity, the writer evicts oldest-first (``DEL`` pipelined; only the process whose ``DEL``
+removed a chunk publishes its ``BlockRemoved``, so concurrent evictors never double-report).
+All processes sharing a store should use the same ``capacity_bytes`` (a process without it
+does not record accesses). Approximate: a chunk read between choosing victims and deleting
+them is still evicted.
+
+Redis's own evictions (``maxmemory`` + an eviction policy) and expirations are observed by a
+:class:`~cpd.store.redis_watch.EvictionWatcher` (``watch_evictions=True``): it enables
+``notify-keyspace-events Exe`` (merged with the current flags) and turns ``evicted``/``expired``
+events of chunk keys into ``BlockRemoved(medium="L3")``. Events missed while disconnected are
+lost (the router then learns of them as stale hits on load). Use ``allkeys-lru``/``allkeys-lfu``
+(chunks have no TTL; ``volatile-*`` policies would never evict them).
+
+Timeouts: connect and socket read/write timeouts (per socket operation) default to 0.5 s and
+redis-py retries are disabled, so an unreachable or stalled server raises
+:class:`StoreUnavailable` (:class:`StoreTimeout` for timeouts) within about a second. A later
+call reconnects, so the store recovers by itself once the server is back.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Iterable, Sequence
 
@@ -35,7 +58,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
-                            StoreUnavailable, encode_parts)
+                            StoreTimeout, StoreUnavailable, encode_parts)
 
 # KEYS[1]=staging key; ARGV: offset, ttl_ms, bytes. A continuation of a reclaimed (expired)
 # staging key fails instead of recreating a zero-padded value.
@@ -53,6 +76,34 @@ if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 e
 redis.call('RENAME', KEYS[1], KEYS[2])
 redis.call('PERSIST', KEYS[2])
 return 1
+"""
+
+# KEYS: lru, info, used; ARGV: now, then (chunk key, info) pairs of values this client made
+# visible. Records size+hashes once per key, bumps recency. Returns bytes used.
+_ACCOUNT_LUA = """
+for i = 2, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i+1]) == 1 then
+    redis.call('INCRBY', KEYS[3], tonumber(string.match(ARGV[i+1], '^%d+')))
+  end
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+end
+return tonumber(redis.call('GET', KEYS[3]) or '0')
+"""
+
+# KEYS: lru, info, used; ARGV: chunk keys that are gone. Forgets them (idempotent: the size is
+# subtracted only by the call that removes the info field). Returns each key's info or nil.
+_FORGET_LUA = """
+local out = {}
+for i = 1, #ARGV do
+  local v = redis.call('HGET', KEYS[2], ARGV[i])
+  if v then
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    redis.call('DECRBY', KEYS[3], tonumber(string.match(v, '^%d+')))
+  end
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  out[i] = v or false
+end
+return out
 """
 
 _INVALIDATE_LUA = """
@@ -75,7 +126,8 @@ def _join(parts: list) -> bytearray:
 class _RedisWrite(PendingWrite):
     def __init__(self, store: "RedisStore", key: ChunkKey, value: bytearray):
         self.store, self.key, self.value = store, key, value
-        self.stage = f"{store.prefix}stage:{key[0]:016x}:{key[1]}:{uuid.uuid4().hex[:12]}"
+        self.stage = store._stage_key(key)
+        self.hashes: list[int] = []
         self.written = 0
         self.done = False
         self.lost = False
@@ -102,6 +154,8 @@ class _RedisWrite(PendingWrite):
             return False
         with self.store._guard():
             r = self.store._seal(keys=[self.stage, self.store._key(self.key)], args=[len(self.value)])
+        if r == 1 and self.store.track:
+            self.store._after_write([(self.key, len(self.value), self.hashes)])
         return r == 1
 
     def abort(self) -> None:
@@ -113,6 +167,22 @@ class _RedisWrite(PendingWrite):
             pass  # the TTL reclaims it
 
 
+def _plen(p) -> int:
+    return len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes
+
+
+def _info(size: int, hashes: Sequence[int]) -> str:
+    return f"{size} " + ",".join(f"{int(h):x}" for h in hashes)
+
+
+def _info_hashes(info) -> list[int]:
+    if info is None:
+        return []
+    s = info.decode() if isinstance(info, (bytes, bytearray)) else str(info)
+    _, _, hs = s.partition(" ")
+    return [int(h, 16) for h in hs.split(",") if h]
+
+
 class RedisStore(KVStore):
     """Client of one Redis server.
 
@@ -120,48 +190,83 @@ class RedisStore(KVStore):
         host, port, db: server address.
         prefix: key prefix (namespaces several stores on one server).
         timeout_s: connect and socket timeout, seconds.
-        chunk_blocks, event_sink, stale_timeout_s: see :class:`KVStore`.
+        chunk_blocks, event_sink, stale_timeout_s, capacity_bytes: see :class:`KVStore`.
+        watch_evictions: start an :class:`~cpd.store.redis_watch.EvictionWatcher` thread that
+            turns the server's own evictions/expirations into ``BlockRemoved`` events.
+        evict_batch: chunks examined per eviction round trip.
     Raises:
         StoreUnavailable: never at construction (connections are lazy), on any call thereafter.
     """
 
+    _errors: tuple = (redis.RedisError, OSError)
+
     def __init__(self, host: str = "127.0.0.1", port: int = 6379, db: int = 0, *,
                  prefix: str = "cpd:kv:", timeout_s: float = 0.5, chunk_blocks: int = 1,
                  event_sink: EventSink | None = None,
-                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S):
-        super().__init__(chunk_blocks, event_sink, stale_timeout_s)
+                 stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S, capacity_bytes: int = 0,
+                 watch_evictions: bool = False, evict_batch: int = 32):
+        super().__init__(chunk_blocks, event_sink, stale_timeout_s, capacity_bytes)
         self.prefix = prefix
+        self.db = db
+        self.timeout_s = float(timeout_s)
+        self.evict_batch = int(evict_batch)
+        self.track = bool(self.capacity_bytes > 0 or watch_evictions)
+        meta = "{" + prefix + "meta}"
+        self.meta_keys = [f"{meta}:lru", f"{meta}:info", f"{meta}:used"]
+        self._watcher = None
+        self._init_client(host, port, db)
+        if watch_evictions:
+            self.start_watcher()
+
+    def _init_client(self, host: str, port: int, db: int) -> None:
         self.url = f"redis://{host}:{port}/{db}"
-        self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=timeout_s,
-                             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
+        self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=self.timeout_s,
+                             socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
                              health_check_interval=0)
-        self._inval = self.r.register_script(_INVALIDATE_LUA)
-        self._stage = self.r.register_script(_STAGE_LUA)
-        self._seal = self.r.register_script(_SEAL_LUA)
+        self._register_scripts(self.r)
+
+    def _register_scripts(self, r) -> None:
+        self._inval = r.register_script(_INVALIDATE_LUA)
+        self._stage = r.register_script(_STAGE_LUA)
+        self._seal = r.register_script(_SEAL_LUA)
+        self._acct = r.register_script(_ACCOUNT_LUA)
+        self._forget_s = r.register_script(_FORGET_LUA)
+
+    def _pipe(self):
+        return self.r.pipeline(transaction=False)
 
     # errors -> StoreUnavailable
     class _Guard:
-        __slots__ = ("url",)
+        __slots__ = ("url", "errors")
 
-        def __init__(self, url):
-            self.url = url
+        def __init__(self, url, errors):
+            self.url, self.errors = url, errors
 
         def __enter__(self):
             return self
 
         def __exit__(self, et, ev, tb):
-            if et is not None and issubclass(et, (redis.RedisError, OSError)):
+            if et is not None and issubclass(et, self.errors) and not issubclass(et, StoreUnavailable):
+                if issubclass(et, (redis.TimeoutError, TimeoutError)):
+                    raise StoreTimeout(f"{self.url}: timeout: {ev!r}") from ev
                 raise StoreUnavailable(f"{self.url}: {ev!r}") from ev
             return False
 
     def _guard(self) -> "_Guard":
-        return RedisStore._Guard(self.url)
+        return RedisStore._Guard(self.url, self._errors)
 
     def _key(self, key: ChunkKey) -> str:
         return f"{self.prefix}{key[0]:016x}:{key[1]}"
 
-    def _parse(self, name: bytes) -> ChunkKey | None:
-        s = name.decode()[len(self.prefix):]
+    def _stage_key(self, key: ChunkKey) -> str:
+        return f"{self.prefix}stage:{key[0]:016x}:{key[1]}:{uuid.uuid4().hex[:12]}"
+
+    def _parse(self, name) -> ChunkKey | None:
+        if isinstance(name, (bytes, bytearray)):
+            name = name.decode()
+        if not name.startswith(self.prefix):
+            return None
+        s = name[len(self.prefix):].strip("{}")
         h, _, n = s.partition(":")
         try:
             return int(h, 16), int(n)
@@ -173,65 +278,164 @@ class RedisStore(KVStore):
         with self._guard():
             return bool(self.r.ping())
 
+    # ---- bookkeeping (capacity / watcher) ----------------------------------------------
+    def _account(self, written: list[tuple[ChunkKey, int, list[int]]]) -> int:
+        """Record values this client made visible; returns bytes used (store-wide)."""
+        args: list = [repr(time.time())]
+        for key, size, hs in written:
+            args += [self._key(key), _info(size, hs or [key[0]])]
+        with self._guard():
+            return int(self._acct(keys=self.meta_keys, args=args))
+
+    def _forget(self, names: list[str]) -> list:
+        """Drop bookkeeping of gone chunk keys; returns each one's info (or None)."""
+        if not names:
+            return []
+        with self._guard():
+            return list(self._forget_s(keys=self.meta_keys, args=names))
+
+    def _removed(self, keys: list[ChunkKey], infos: list) -> None:
+        """Publish ``BlockRemoved`` naming every block of each removed chunk."""
+        hs: list[int] = []
+        for k, info in zip(keys, infos):
+            hs.extend(_info_hashes(info) or [k[0]])
+        self._emit_removed(sorted(set(hs)))
+
+    def used_bytes(self) -> int:
+        """Visible bytes according to the bookkeeping (0 unless tracking). Raises: StoreUnavailable."""
+        with self._guard():
+            return int(self.r.get(self.meta_keys[2]) or 0)
+
+    def evict_to(self, max_bytes: int) -> int:
+        """LRU eviction down to ``max_bytes`` (requires bookkeeping: capacity or watcher).
+        Returns chunks this call evicted. Raises: StoreUnavailable."""
+        evicted = 0
+        for _ in range(10000):
+            with self._guard():
+                used = int(self.r.get(self.meta_keys[2]) or 0)
+                if used <= max_bytes:
+                    break
+                names = [n.decode() for n in self.r.zrange(self.meta_keys[0], 0, self.evict_batch - 1)]
+                if not names:
+                    break
+                p = self._pipe()
+                for n in names:
+                    p.delete(n)
+                gone = p.execute()
+            infos = self._forget(names)
+            keys, inf = [], []
+            for n, g, info in zip(names, gone, infos):
+                k = self._parse(n)
+                if g and k is not None:
+                    keys.append(k)
+                    inf.append(info)
+            evicted += len(keys)
+            self._removed(keys, inf)
+        self._bump(evicted=evicted)
+        return evicted
+
+    def _after_write(self, written: list[tuple[ChunkKey, int, list[int]]]) -> None:
+        if not written:
+            return
+        used = self._account(written)
+        if self.capacity_bytes and used > self.capacity_bytes:
+            self.evict_to(self.capacity_bytes)
+
+    # ---- primitives -------------------------------------------------------------------
     def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
         with self._guard():
-            p = self.r.pipeline(transaction=False)
+            p = self._pipe()
             for k in keys:
                 p.exists(self._key(k))
             return [bool(x) for x in p.execute()]
 
     def _get_many(self, keys: list[ChunkKey]) -> list[object | None]:
         with self._guard():
-            if len(keys) == 1:
+            if len(keys) == 1 and not self.track:
                 return [self.r.get(self._key(keys[0]))]
-            p = self.r.pipeline(transaction=False)
+            p = self._pipe()
             for k in keys:
                 p.get(self._key(k))
-            return p.execute()
+            if self.track:  # LRU touch in the same round trip (XX: only tracked keys)
+                now = time.time()
+                p.zadd(self.meta_keys[0], {self._key(k): now for k in keys}, xx=True)
+            return p.execute()[:len(keys)]
+
+    @staticmethod
+    def _raw_set_nx(pool, entries: list[tuple[bytes, list]]) -> list:
+        """``SET key value NX`` written as raw RESP straight from the numpy buffers (no join,
+        no hiredis packing copy), all commands pipelined on one connection, then all replies
+        read (error replies are returned as exception objects)."""
+        conn = pool.get_connection()
+        try:
+            for k, parts in entries:
+                vlen = sum(_plen(p) for p in parts)
+                hdr = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, vlen)
+                conn.send_packed_command([hdr, *parts, b"\r\n$2\r\nNX\r\n"])
+            replies = []
+            for _ in entries:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as e:  # reply consumed: the connection stays in sync
+                    replies.append(e)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return replies
 
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
-        # ``SET key value NX`` written as raw RESP straight from the numpy buffers (no join,
-        # no hiredis packing copy), all commands pipelined, then all replies read.
-        pool = self.r.connection_pool
         with self._guard():
-            conn = pool.get_connection()
-            try:
-                for key, parts in items:
-                    k = self._key(key).encode()
-                    vlen = sum(len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes for p in parts)
-                    hdr = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, vlen)
-                    conn.send_packed_command([hdr, *parts, b"\r\n$2\r\nNX\r\n"])
-                replies = [conn.read_response() for _ in items]
-            except BaseException:
-                conn.disconnect()
-                raise
-            finally:
-                pool.release(conn)
-        return [r is not None and not isinstance(r, Exception) for r in replies]
+            replies = self._raw_set_nx(self.r.connection_pool,
+                                       [(self._key(key).encode(), parts) for key, parts in items])
+        won = [r is not None and not isinstance(r, Exception) for r in replies]
+        if self.track:
+            self._after_write(self._written(items, won))
+        return won
+
+    @staticmethod
+    def _written(items, won) -> list[tuple[ChunkKey, int, list[int]]]:
+        from cpd.store.base import header_hashes
+        out = []
+        for (key, parts), w in zip(items, won):
+            if w:
+                out.append((key, sum(_plen(p) for p in parts), header_hashes(parts[0]) or [key[0]]))
+        return out
 
     def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
         try:
             with self._guard():
                 if trailer is None:
-                    return bool(self.r.delete(self._key(key)))
-                return bool(self._inval(keys=[self._key(key)], args=[trailer]))
+                    ok = bool(self.r.delete(self._key(key)))
+                else:
+                    ok = bool(self._inval(keys=[self._key(key)], args=[trailer]))
+            if ok and self.track:
+                self._forget([self._key(key)])
+            return ok
         except StoreUnavailable:
             return False
 
     def _delete_keys(self, keys: list[ChunkKey]) -> list[bool]:
         with self._guard():
-            p = self.r.pipeline(transaction=False)
+            p = self._pipe()
             for k in keys:
                 p.delete(self._key(k))
-            return [bool(x) for x in p.execute()]
+            gone = [bool(x) for x in p.execute()]
+        if self.track:
+            self._forget([self._key(k) for k, g in zip(keys, gone) if g])
+        return gone
+
+    def _scan_names(self, match: str) -> list:
+        return list(self.r.scan_iter(match=match, count=1000))
 
     def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
         with self._guard():
-            names = [n for n in self.r.scan_iter(match=f"{self.prefix}*", count=1000)
+            names = [n for n in self._scan_names(f"{self.prefix}*")
                      if not n.startswith(f"{self.prefix}stage:".encode())]
             if not names:
                 return []
-            p = self.r.pipeline(transaction=False)
+            p = self._pipe()
             for n in names:
                 p.strlen(n)
             sizes = p.execute()
@@ -242,12 +446,20 @@ class RedisStore(KVStore):
                 out.append((k, int(sz)))
         return out
 
+    def clear(self) -> int:
+        n = super().clear()
+        with self._guard():
+            self.r.delete(*self.meta_keys)
+        return n
+
     def begin_write(self, block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
                     block_size: int | None = None) -> PendingWrite:
         if len(block_hashes) > self.chunk_blocks:
             raise ValueError("more blocks than chunk_blocks")
         hs = [int(h) for h in block_hashes]
-        return _RedisWrite(self, (hs[-1], len(hs)), _join(encode_parts(hs, blocks, block_size)))
+        w = _RedisWrite(self, (hs[-1], len(hs)), _join(encode_parts(hs, blocks, block_size)))
+        w.hashes = hs
+        return w
 
     def reclaim_stale(self, max_age_s: float | None = None) -> int:
         """Staging keys expire by their TTL; with ``max_age_s == 0`` they are deleted now
@@ -255,14 +467,54 @@ class RedisStore(KVStore):
         if max_age_s is None or max_age_s > 0:
             return 0
         with self._guard():
-            names = list(self.r.scan_iter(match=f"{self.prefix}stage:*", count=1000))
-            n = self.r.delete(*names) if names else 0
+            names = self._scan_names(f"{self.prefix}stage:*")
+            n = 0
+            if names:
+                p = self._pipe()
+                for nm in names:
+                    p.delete(nm)
+                n = sum(p.execute())
         self._bump(reclaimed=n)
         return n
 
+    # ---- watcher ----------------------------------------------------------------------
+    def _watch_nodes(self) -> list[tuple[str, int]]:
+        c = self.r.connection_pool.connection_kwargs
+        return [(c.get("host", "127.0.0.1"), int(c.get("port", 6379)))]
+
+    def on_server_removed(self, name) -> bool:
+        """Handle a key the server evicted/expired: if it is a chunk key, forget its
+        bookkeeping and publish ``BlockRemoved`` for all its blocks. Returns True if published."""
+        if isinstance(name, (bytes, bytearray)):
+            name = name.decode()
+        if name.startswith(f"{self.prefix}stage:"):
+            return False
+        k = self._parse(name)
+        if k is None:
+            return False
+        infos = [None]
+        if self.track:
+            try:
+                infos = self._forget([name]) or [None]
+            except StoreUnavailable:
+                infos = [None]
+        self._removed([k], infos)
+        self._bump(evicted=1)
+        return True
+
+    def start_watcher(self):
+        """Start (once) the eviction watcher thread(s); returns the watcher."""
+        if self._watcher is None:
+            from cpd.store.redis_watch import EvictionWatcher
+            self._watcher = EvictionWatcher(self)
+            self._watcher.start()
+        return self._watcher
+
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
         try:
             self.r.close()
         except Exception:
             pass
-

@@ -1,0 +1,156 @@
+"""``redis+cluster://HOST:PORT[,HOST:PORT...]`` backend: Redis Cluster via redis-py's
+``RedisCluster`` (hiredis parser).
+
+Same semantics as :class:`~cpd.store.redis_store.RedisStore`, with keys laid out for hash slots:
+
+* visible chunk ``<prefix>{<last_hash:016x>:<n>}``; its staging keys
+  ``<prefix>stage:{<last_hash:016x>:<n>}:<uuid>`` carry the same hash tag, so the seal script
+  (check length, rename-if-absent) runs on one node, atomically, first sealer wins;
+* ``SET NX`` puts are grouped by owning node and written as raw pipelined RESP on that node's
+  connection (one round trip per node, no payload copy); a ``MOVED``/``ASK`` reply (slots
+  migrating) falls back to the cluster pipeline, which follows redirections;
+* ``EXISTS``/``GET``/``DEL`` batches use the cluster pipeline (commands grouped per node, one
+  round trip per node); Lua scripts are only ever called on keys of one slot;
+* the bookkeeping keys (``{<prefix>meta}:lru|info|used``) share one hash tag (one node);
+* ``SCAN`` visits every primary; the eviction watcher subscribes on every primary (keyspace
+  notifications are node-local).
+
+The client is created lazily (the first call contacts a seed node and loads the slot map), so
+constructing a store never fails; redis-py's own retries are disabled so an unreachable
+cluster raises :class:`~cpd.store.base.StoreUnavailable` quickly; after an error the slot map
+is reloaded on the next call, so the store recovers when the nodes come back.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+
+from cpd.store.base import ChunkKey, StoreUnavailable
+from cpd.store.redis_store import RedisStore
+
+
+class RedisClusterStore(RedisStore):
+    """Client of one Redis Cluster.
+
+    Args:
+        nodes: seed ``(host, port)`` pairs.
+        Others: as :class:`~cpd.store.redis_store.RedisStore` (no ``db``: a cluster has only db 0).
+    """
+
+    _errors = (redis.RedisError, OSError, RedisClusterException)
+
+    def __init__(self, nodes: list[tuple[str, int]], **kw):
+        self.nodes = [(h, int(p)) for h, p in nodes]
+        super().__init__(self.nodes[0][0], self.nodes[0][1], 0, **kw)
+
+    def _init_client(self, host: str, port: int, db: int) -> None:
+        self.url = "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
+        self._rc: RedisCluster | None = None
+        self._rc_lock = threading.Lock()
+        self._broken = False
+
+    @property
+    def r(self) -> RedisCluster:
+        """The cluster client (created on first use). Raises: StoreUnavailable."""
+        rc = self._rc
+        if rc is not None and not self._broken:
+            return rc
+        with self._rc_lock:
+            if self._rc is None:
+                with self._guard():
+                    rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
+                                      socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                                      retry=Retry(NoBackoff(), 0), require_full_coverage=True)
+                self._register_scripts(rc)
+                self._rc = rc
+            elif self._broken:
+                try:
+                    with self._guard():
+                        self._rc.nodes_manager.initialize()
+                except StoreUnavailable:
+                    raise
+                self._broken = False
+            return self._rc
+
+    def _guard(self):
+        g = RedisStore._Guard(self.url, self._errors)
+        store = self
+
+        class _G:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, et, ev, tb):
+                if et is not None and issubclass(et, store._errors) and not issubclass(et, StoreUnavailable):
+                    store._broken = True  # reload the slot map on the next call
+                return g.__exit__(et, ev, tb)
+        return _G()
+
+    def _pipe(self):
+        return self.r.pipeline()
+
+    def _key(self, key: ChunkKey) -> str:
+        return f"{self.prefix}{{{key[0]:016x}:{key[1]}}}"
+
+    def _stage_key(self, key: ChunkKey) -> str:
+        return f"{self.prefix}stage:{{{key[0]:016x}:{key[1]}}}:{uuid.uuid4().hex[:12]}"
+
+    def ping(self) -> bool:
+        with self._guard():
+            return bool(self.r.ping(target_nodes=RedisCluster.ALL_NODES))
+
+    def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
+        from cpd.store.redis_store import _join
+        rc = self.r
+        won = [False] * len(items)
+        with self._guard():
+            groups: dict[str, list[int]] = {}
+            nodes = {}
+            for i, (key, _) in enumerate(items):
+                node = rc.get_node_from_key(self._key(key))
+                groups.setdefault(node.name, []).append(i)
+                nodes[node.name] = node
+            redo: list[int] = []
+            for name, idx in groups.items():
+                conn = rc.get_redis_connection(nodes[name])
+                replies = self._raw_set_nx(conn.connection_pool,
+                                           [(self._key(items[i][0]).encode(), items[i][1]) for i in idx])
+                for i, rep in zip(idx, replies):
+                    if isinstance(rep, Exception):
+                        redo.append(i)
+                    else:
+                        won[i] = rep is not None
+            if redo:  # slots moved: let the cluster pipeline follow MOVED/ASK
+                self._broken = True
+                p = self.r.pipeline()
+                for i in redo:
+                    p.set(self._key(items[i][0]), bytes(_join(items[i][1])), nx=True)
+                for i, rep in zip(redo, p.execute()):
+                    won[i] = bool(rep)
+        if self.track:
+            self._after_write(self._written(items, won))
+        return won
+
+    def _scan_names(self, match: str) -> list:
+        return list(self.r.scan_iter(match=match, count=1000))
+
+    def _watch_nodes(self) -> list[tuple[str, int]]:
+        with self._guard():
+            return [(n.host, n.port) for n in self.r.get_primaries()]
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        rc, self._rc = self._rc, None
+        if rc is not None:
+            try:
+                rc.close()
+            except Exception:
+                pass
