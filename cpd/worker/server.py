@@ -133,16 +133,16 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
     finally:
         st.runner.close_stream(rid)
     prefill_s = time.monotonic() - t0
-    resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason,
+    handoff = out.finish_reason == "handoff"
+    resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
             "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0}
-    if out.finished:
-        st.engine.release(rid)
+    if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
     with st.runner.engine_lock:
         kv, token_ids = st.engine.export_kv(rid)
         st.engine.release(rid)
-    arr = kv.numpy() if hasattr(kv, "numpy") else kv
+    arr = kv.detach().cpu().numpy() if hasattr(kv, "numpy") else kv
     handle = st.sender.stage(rid, arr)
     handle["release_url"] = f"{_self_url(request)}/handoff/release"
     resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
