@@ -4,7 +4,9 @@ Fallbacks (DESIGN §4): ``lookup``/``load`` never raise on store faults — an u
 or a corrupt/missing value yields 0 / ``None`` and is counted in :attr:`L3Connector.fallback_counts`
 by kind:
 
-* ``"unavailable"`` — :class:`StoreUnavailable` in lookup/load/save;
+* ``"unavailable"`` — :class:`StoreUnavailable` in lookup/load/save (refused, reset, gone);
+* ``"timeout"`` — :class:`StoreTimeout`: the store did not answer within its ``timeout_s``
+  (slow or stalled store);
 * ``"corrupt"`` — a checksum/header mismatch on load (the entry was invalidated);
 * ``"miss"`` — load found a block missing (e.g. evicted after lookup: a stale index);
 * ``"queue_full"`` — an async save dropped because the write queue was full;
@@ -20,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from cpd.engine.connector import EventSink
-from cpd.store.base import KVStore, StoreUnavailable
+from cpd.store.base import KVStore, StoreTimeout, StoreUnavailable
 
 
 class L3Connector:
@@ -63,6 +65,8 @@ class L3Connector:
         """Leading blocks VISIBLE in L3; 0 if the store is unreachable."""
         try:
             return self.store.lookup_prefix(block_hashes)
+        except StoreTimeout:
+            self._count("timeout")
         except StoreUnavailable:
             self._count("unavailable")
             return 0
@@ -71,6 +75,8 @@ class L3Connector:
         """One array per block (checksum verified) or ``None`` (miss / corrupt / unreachable)."""
         try:
             blocks, reason = self.store.read_blocks(block_hashes)
+        except StoreTimeout:
+            self._count("timeout")
         except StoreUnavailable:
             self._count("unavailable")
             return None
@@ -110,6 +116,8 @@ class L3Connector:
             n = self.store.put_blocks(hashes, blocks, parent_block_hash=parent, token_ids=toks or None)
             with self._lock:
                 self.blocks_saved += n
+        except StoreTimeout:
+            self._count("timeout")
         except StoreUnavailable:
             self._count("unavailable")
         except Exception as e:  # never let a bad write kill the writer thread

@@ -28,11 +28,14 @@ import uuid
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import AskError, ClusterDownError, RedisClusterException, TryAgainError
 from redis.retry import Retry
 
 from cpd.store.base import ChunkKey, StoreUnavailable
 from cpd.store.redis_store import RedisStore
+
+
+_REDIRECT = (AskError, TryAgainError, ClusterDownError)  # MovedError is an AskError
 
 
 class RedisClusterStore(RedisStore):
@@ -78,6 +81,14 @@ class RedisClusterStore(RedisStore):
                 self._broken = False
             return self._rc
 
+    _SCRIPTS = frozenset({"_inval", "_stage", "_seal", "_acct", "_forget_s", "_pick"})
+
+    def __getattr__(self, name):  # Lua scripts are registered with the (lazy) client
+        if name in RedisClusterStore._SCRIPTS:
+            self.r  # noqa: B018 - creates the client and registers them
+            return self.__dict__[name]
+        raise AttributeError(name)
+
     def _guard(self):
         g = RedisStore._Guard(self.url, self._errors)
         store = self
@@ -122,8 +133,10 @@ class RedisClusterStore(RedisStore):
                 replies = self._raw_set_nx(conn.connection_pool,
                                            [(self._key(items[i][0]).encode(), items[i][1]) for i in idx])
                 for i, rep in zip(idx, replies):
-                    if isinstance(rep, Exception):
+                    if isinstance(rep, _REDIRECT):
                         redo.append(i)
+                    elif isinstance(rep, Exception):
+                        won[i] = False  # e.g. OOM (maxmemory, nothing evictable): dropped
                     else:
                         won[i] = rep is not None
             if redo:  # slots moved: let the cluster pipeline follow MOVED/ASK
@@ -131,8 +144,8 @@ class RedisClusterStore(RedisStore):
                 p = self.r.pipeline()
                 for i in redo:
                     p.set(self._key(items[i][0]), bytes(_join(items[i][1])), nx=True)
-                for i, rep in zip(redo, p.execute()):
-                    won[i] = bool(rep)
+                for i, rep in zip(redo, p.execute(raise_on_error=False)):
+                    won[i] = rep is True
         if self.track:
             self._after_write(self._written(items, won))
         return won

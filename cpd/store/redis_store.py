@@ -106,6 +106,22 @@ end
 return out
 """
 
+# KEYS: lru, info, used; ARGV: target bytes, max names. The oldest chunk keys whose sizes cover
+# the excess over the target (empty when at or below it).
+_PICK_LUA = """
+local need = tonumber(redis.call('GET', KEYS[3]) or '0') - tonumber(ARGV[1])
+local out = {}
+if need <= 0 then return out end
+local names = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+for i = 1, #names do
+  out[#out + 1] = names[i]
+  local v = redis.call('HGET', KEYS[2], names[i])
+  if v then need = need - tonumber(string.match(v, '^%d+')) end
+  if need <= 0 then break end
+end
+return out
+"""
+
 _INVALIDATE_LUA = """
 local t = redis.call('GETRANGE', KEYS[1], -8, -1)
 if t == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -231,6 +247,7 @@ class RedisStore(KVStore):
         self._seal = r.register_script(_SEAL_LUA)
         self._acct = r.register_script(_ACCOUNT_LUA)
         self._forget_s = r.register_script(_FORGET_LUA)
+        self._pick = r.register_script(_PICK_LUA)
 
     def _pipe(self):
         return self.r.pipeline(transaction=False)
@@ -312,10 +329,8 @@ class RedisStore(KVStore):
         evicted = 0
         for _ in range(10000):
             with self._guard():
-                used = int(self.r.get(self.meta_keys[2]) or 0)
-                if used <= max_bytes:
-                    break
-                names = [n.decode() for n in self.r.zrange(self.meta_keys[0], 0, self.evict_batch - 1)]
+                names = [n.decode() for n in self._pick(keys=self.meta_keys,
+                                                        args=[int(max_bytes), self.evict_batch])]
                 if not names:
                     break
                 p = self._pipe()
