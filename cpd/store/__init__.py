@@ -62,6 +62,8 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
     * ``prefix`` (redis, default ``cpd:kv:``): key prefix.
     * ``watch_evictions`` (redis, 0/1, default 0): turn the server's own maxmemory evictions
       into ``BlockRemoved`` events (keyspace notifications, background thread).
+    * ``chunk_ttl_s`` (redis, default 0 = none): chunks expire after this long; use with
+      ``maxmemory-policy volatile-lru`` so Redis evicts only chunks, never the bookkeeping.
     * ``evict_interval_s`` (file, default 5): how often a writer rescans the directory for
       data written by other processes when enforcing ``capacity_bytes``.
 
@@ -83,7 +85,8 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
         to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
         we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE
         kw = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
-                  stale_timeout_s=st, capacity_bytes=cap, watch_evictions=we)
+                  stale_timeout_s=st, capacity_bytes=cap, watch_evictions=we,
+                  chunk_ttl_s=float(q.get("chunk_ttl_s", 0)))
         if u.scheme != "redis" or q.get("cluster", "0").lower() in _TRUE:
             from cpd.store.redis_cluster_store import RedisClusterStore
             return RedisClusterStore(_hosts(u.netloc), **kw)

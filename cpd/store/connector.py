@@ -67,6 +67,7 @@ class L3Connector:
             return self.store.lookup_prefix(block_hashes)
         except StoreTimeout:
             self._count("timeout")
+            return 0
         except StoreUnavailable:
             self._count("unavailable")
             return 0
@@ -77,6 +78,7 @@ class L3Connector:
             blocks, reason = self.store.read_blocks(block_hashes)
         except StoreTimeout:
             self._count("timeout")
+            return None
         except StoreUnavailable:
             self._count("unavailable")
             return None

@@ -131,7 +131,8 @@ class RedisClusterStore(RedisStore):
             for name, idx in groups.items():
                 conn = rc.get_redis_connection(nodes[name])
                 replies = self._raw_set_nx(conn.connection_pool,
-                                           [(self._key(items[i][0]).encode(), items[i][1]) for i in idx])
+                                           [(self._key(items[i][0]).encode(), items[i][1]) for i in idx],
+                                           self.chunk_ttl_ms)
                 for i, rep in zip(idx, replies):
                     if isinstance(rep, _REDIRECT):
                         redo.append(i)
@@ -143,7 +144,8 @@ class RedisClusterStore(RedisStore):
                 self._broken = True
                 p = self.r.pipeline()
                 for i in redo:
-                    p.set(self._key(items[i][0]), bytes(_join(items[i][1])), nx=True)
+                    p.set(self._key(items[i][0]), bytes(_join(items[i][1])), nx=True,
+                          px=self.chunk_ttl_ms or None)
                 for i, rep in zip(redo, p.execute(raise_on_error=False)):
                     won[i] = rep is True
         if self.track:

@@ -37,9 +37,13 @@ them is still evicted.
 Redis's own evictions (``maxmemory`` + an eviction policy) and expirations are observed by a
 :class:`~cpd.store.redis_watch.EvictionWatcher` (``watch_evictions=True``): it enables
 ``notify-keyspace-events Exe`` (merged with the current flags) and turns ``evicted``/``expired``
-events of chunk keys into ``BlockRemoved(medium="L3")``. Events missed while disconnected are
-lost (the router then learns of them as stale hits on load). Use ``allkeys-lru``/``allkeys-lfu``
-(chunks have no TTL; ``volatile-*`` policies would never evict them).
+events of chunk keys into ``BlockRemoved(medium="L3")`` naming every block of the chunk (from
+the bookkeeping). Events missed while disconnected are lost (the router then learns of them as
+stale hits on load). Recommended server setup: ``maxmemory-policy volatile-lru`` plus
+``chunk_ttl_s`` (e.g. a day) on the store URL, so that Redis evicts only chunks and never the
+bookkeeping keys. With ``allkeys-*`` policies Redis may evict the bookkeeping hash too (its LRU
+clock has 1 s resolution); the event then names only the chunk's last block (exact for
+``chunk_blocks=1``; for longer chunks the router finds the earlier blocks stale on load).
 
 Timeouts: connect and socket read/write timeouts (per socket operation) default to 0.5 s and
 redis-py retries are disabled, so an unreachable or stalled server raises
@@ -74,7 +78,7 @@ _SEAL_LUA = """
 if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then redis.call('DEL', KEYS[1]) return -1 end
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 end
 redis.call('RENAME', KEYS[1], KEYS[2])
-redis.call('PERSIST', KEYS[2])
+if tonumber(ARGV[2] or '0') > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) else redis.call('PERSIST', KEYS[2]) end
 return 1
 """
 
@@ -169,7 +173,7 @@ class _RedisWrite(PendingWrite):
             self.abort()
             return False
         with self.store._guard():
-            r = self.store._seal(keys=[self.stage, self.store._key(self.key)], args=[len(self.value)])
+            r = self.store._seal(keys=[self.stage, self.store._key(self.key)], args=[len(self.value), self.store.chunk_ttl_ms])
         if r == 1 and self.store.track:
             self.store._after_write([(self.key, len(self.value), self.hashes)])
         return r == 1
@@ -209,6 +213,9 @@ class RedisStore(KVStore):
         chunk_blocks, event_sink, stale_timeout_s, capacity_bytes: see :class:`KVStore`.
         watch_evictions: start an :class:`~cpd.store.redis_watch.EvictionWatcher` thread that
             turns the server's own evictions/expirations into ``BlockRemoved`` events.
+        chunk_ttl_s: if > 0, visible chunks expire after this long (``SET ... PX``); with
+            ``maxmemory-policy volatile-lru`` this makes only chunks evictable, never the
+            bookkeeping keys (which have no TTL).
         evict_batch: chunks examined per eviction round trip.
     Raises:
         StoreUnavailable: never at construction (connections are lazy), on any call thereafter.
@@ -220,12 +227,13 @@ class RedisStore(KVStore):
                  prefix: str = "cpd:kv:", timeout_s: float = 0.5, chunk_blocks: int = 1,
                  event_sink: EventSink | None = None,
                  stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S, capacity_bytes: int = 0,
-                 watch_evictions: bool = False, evict_batch: int = 32):
+                 watch_evictions: bool = False, evict_batch: int = 32, chunk_ttl_s: float = 0.0):
         super().__init__(chunk_blocks, event_sink, stale_timeout_s, capacity_bytes)
         self.prefix = prefix
         self.db = db
         self.timeout_s = float(timeout_s)
         self.evict_batch = int(evict_batch)
+        self.chunk_ttl_ms = int(chunk_ttl_s * 1000)
         self.track = bool(self.capacity_bytes > 0 or watch_evictions)
         meta = "{" + prefix + "meta}"
         self.meta_keys = [f"{meta}:lru", f"{meta}:info", f"{meta}:used"]
@@ -377,16 +385,21 @@ class RedisStore(KVStore):
             return p.execute()[:len(keys)]
 
     @staticmethod
-    def _raw_set_nx(pool, entries: list[tuple[bytes, list]]) -> list:
+    def _raw_set_nx(pool, entries: list[tuple[bytes, list]], ttl_ms: int = 0) -> list:
         """``SET key value NX`` written as raw RESP straight from the numpy buffers (no join,
         no hiredis packing copy), all commands pipelined on one connection, then all replies
         read (error replies are returned as exception objects)."""
+        if ttl_ms > 0:
+            t = b"%d" % ttl_ms
+            n_args, tail = b"*6", b"\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(t), t)
+        else:
+            n_args, tail = b"*4", b"\r\n$2\r\nNX\r\n"
         conn = pool.get_connection()
         try:
             for k, parts in entries:
                 vlen = sum(_plen(p) for p in parts)
-                hdr = b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, vlen)
-                conn.send_packed_command([hdr, *parts, b"\r\n$2\r\nNX\r\n"])
+                hdr = b"%s\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(k), k, vlen)
+                conn.send_packed_command([hdr, *parts, tail])
             replies = []
             for _ in entries:
                 try:
@@ -403,7 +416,8 @@ class RedisStore(KVStore):
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
         with self._guard():
             replies = self._raw_set_nx(self.r.connection_pool,
-                                       [(self._key(key).encode(), parts) for key, parts in items])
+                                       [(self._key(key).encode(), parts) for key, parts in items],
+                                       self.chunk_ttl_ms)
         won = [r is not None and not isinstance(r, Exception) for r in replies]
         if self.track:
             self._after_write(self._written(items, won))
