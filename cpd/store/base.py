@@ -452,12 +452,16 @@ class KVStore(ABC):
         hs = [int(h) for h in block_hashes]
         if not hs:
             return [], "ok"
-        keys = candidate_keys(hs, self.chunk_blocks)
-        present = dict(zip(keys, self._exists_many(keys)))
-        covered, chain = cover(present, hs, self.chunk_blocks)
-        if covered < len(hs):
-            self._bump(misses=1)
-            return None, "miss"
+        if self.chunk_blocks == 1:
+            # one key per block: no probe needed, fetch everything in one round trip
+            chain = [(j, j, (h, 1)) for j, h in enumerate(hs)]
+        else:
+            keys = candidate_keys(hs, self.chunk_blocks)
+            present = dict(zip(keys, self._exists_many(keys)))
+            covered, chain = cover(present, hs, self.chunk_blocks)
+            if covered < len(hs):
+                self._bump(misses=1)
+                return None, "miss"
         raws = self._get_many([c[2] for c in chain])
         out: list[np.ndarray] = []
         pos = 0
