@@ -19,7 +19,8 @@ FILLER = ("Please answer carefully and in plain words. Keep in mind that the rea
 
 
 def _conversation_turns(topic: str) -> list[str]:
-    return [f"{FILLER * 4}Tell me about {topic}.", "Can you give a concrete example?", "Summarise that in one line."]
+    # The topic comes first, so first turns share no prefix (cold); later turns extend the history (warm).
+    return [f"Tell me about {topic}. {FILLER * 4}", "Can you give a concrete example?", "Summarise that in one line."]
 
 
 def _stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> tuple[str, str, float, float, int]:
@@ -49,7 +50,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24) -> list[dict]:
     from cpd.cli import _resolve_model
     from cpd.deploy import Deployment, DeploymentConfig
 
-    console = Console()
+    console = Console(width=120)
     cfg = DeploymentConfig(model_dir=_resolve_model(model_dir), topology="cpd", num_pre_prefill=1, num_prefill=1,
                            num_decode=1)
     console.print(f"[bold]starting[/] router + {', '.join(cfg.roles())} (model {cfg.model_dir})")
@@ -66,7 +67,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24) -> list[dict]:
             rid, text, ttft, tpot, n = _stream_chat(client, dep.model_name, msgs, max_tokens)
             msgs.append({"role": "assistant", "content": text})
             rec = httpx.get(f"{dep.url}/cpd/requests", timeout=5).json().get(rid, {})
-            rows.append({"request": f"{topic[:18]} t{turn + 1}", "class": rec.get("class", "?"),
+            rows.append({"request": f"{topic.split()[-1]} turn {turn + 1}", "class": rec.get("class", "?"),
                          "pool": rec.get("pool", "?"), "prompt_tokens": rec.get("prompt_tokens", 0),
                          "cached_tokens": sum((rec.get("cached_tokens_by_tier") or {}).values()),
                          "tiers": rec.get("cached_tokens_by_tier", {}), "ttft_s": ttft, "tpot_s": tpot,
