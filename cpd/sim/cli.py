@@ -20,6 +20,7 @@ def simulate(
     steady_s: Optional[float] = typer.Option(None, help="override the steady window (s)"),
     study: bool = typer.Option(False, help="also run the cold-fraction x output-length study"),
     progress: bool = typer.Option(True, help="show a progress bar"),
+    jobs: int = typer.Option(2, help="worker processes for independent sweep points (results do not depend on it)"),
 ) -> None:
     """Simulate the experiment's configurations over its load sweep (deterministic)."""
     from cpd.sim.experiment import load_experiment
@@ -31,13 +32,13 @@ def simulate(
         exp["steady_s"] = steady_s
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    res = run_sweep(exp, list(config) if config else None, list(qps) if qps else None, progress=progress)
+    res = run_sweep(exp, list(config) if config else None, list(qps) if qps else None, progress=progress, jobs=jobs)
     wall = time.perf_counter() - t
     sim_s = sum(p["simulated_s"] for p in res["points"])
     (out / "results.json").write_text(json.dumps(res, sort_keys=True, indent=1) + "\n")
     st = None
     if study and "study" in exp:
-        st = run_study(exp, progress=progress)
+        st = run_study(exp, progress=progress, jobs=jobs)
         (out / "study.json").write_text(json.dumps(st, sort_keys=True, indent=1) + "\n")
     plot_sweep(res, out)
     (out / "report.md").write_text(markdown(res, exp, st))

@@ -92,6 +92,33 @@ def markdown(res: dict[str, Any], exp: dict, study: dict | None = None) -> str:
             L.append(f"* gain over {base}: " + ", ".join(f"{c} {_f(v * 100 if v is not None else None, 0, ' %')}"
                                                           for c, v in g.items()))
     L.append("")
+    sat = res["saturation"]
+    if "2P1D" in sat and "CPD-1D" in sat:
+        b, c = sat["2P1D"]["qps_per_gpu"], sat["CPD-1D"]["qps_per_gpu"]
+        g = res["gain_vs"]["2P1D"].get("CPD-1D")
+        pb, pc, pg = PUBLISHED["2P1D_saturation_qps_per_gpu"], PUBLISHED["CPD_saturation_qps_per_gpu"], PUBLISHED["gain"]
+        L += ["## Beside the published figures", "", f"Published: {PUBLISHED['source']}.", "",
+              "| quantity | published | this simulation |", "|---|---|---|",
+              f"| 2P1D saturation (QPS/GPU) | {pb[0]}–{pb[1]} | {_f(b)} |",
+              f"| CPD saturation (QPS/GPU) | {pc[0]}–{pc[1]} | {_f(c)} (CPD-1D) |",
+              f"| CPD gain over 2P1D | {pg[0] * 100:.0f}–{pg[1] * 100:.0f} % | "
+              f"{_f(g * 100 if g is not None else None, 0, ' %')} |", ""]
+        low = min(res["points"], key=lambda p: p["qps_per_gpu"])["qps_per_gpu"]
+        pl = {p["config"]: p for p in res["points"] if p["qps_per_gpu"] == low}
+        if "2P1D" in pl and "CPD-1D" in pl:
+            L.append(f"* TTFT p50 at the lowest load ({low} QPS/GPU): 2P1D {_f(pl['2P1D']['ttft_s']['p50'])} s, "
+                     f"CPD-1D {_f(pl['CPD-1D']['ttft_s']['p50'])} s (published: similar).")
+        if b:
+            near = min((p for p in res["points"] if p["config"] == "2P1D"),
+                       key=lambda p: abs(p["qps_per_gpu"] - b))
+            cn = [p for p in res["points"] if p["config"] == "CPD-1D" and p["qps_per_gpu"] == near["qps_per_gpu"]]
+            if cn:
+                L.append(f"* TTFT p50 near 2P1D's saturation ({near['qps_per_gpu']} QPS/GPU): 2P1D "
+                         f"{_f(near['ttft_s']['p50'])} s, CPD-1D {_f(cn[0]['ttft_s']['p50'])} s "
+                         "(published: multi-second vs sub-second to low seconds).")
+                L.append(f"* decode tokens/s per decode GPU there: 2P1D {_f(near.get('decode_tokens_per_s_per_gpu'), 0)}, "
+                         f"CPD-1D {_f(cn[0].get('decode_tokens_per_s_per_gpu'), 0)} (published: about the same).")
+        L.append("")
     L += ["## Per point", "",
           "| config | QPS/GPU | QPS | cold | TTFT p50/p90/p99 (s) | warm p50/p90 | cold p50/p90 | TPOT p50 (ms) | "
           "prefill tok/s/GPU | decode tok/s/GPU | hit L1/L2/L3 | queue mean (s) | done |",

@@ -16,8 +16,10 @@
   in progress). ``exact_decode=True`` disables this (one event per decode step); a test
   checks both agree.
 * Blocks: ``block_size``-token blocks identified by the trace's prefix-hash ids (used
-  directly, no tokenisation). L1 = device pool (LRU over unpinned cached blocks; pinned =
-  blocks allocated by running sequences), L2 = host DRAM (inclusive: every block stored
+  directly, no tokenisation). L1 = device pool: an LRU of cached blocks plus the blocks
+  newly allocated by running sequences (``used``); an L1 prefix hit is shared, counted
+  once, in the LRU (as vLLM shares cached blocks). The scheduler sees
+  ``num_free_blocks = capacity - used`` (cached blocks are evictable), L2 = host DRAM (inclusive: every block stored
   in L1 is also written to L2), L3 = shared store (capacity-limited LRU; blocks become
   visible when the write flow completes). Write-through to L3 is per role.
 * Links: each prefill-side instance has a PCIe link (L2 loads) and a NIC (L3 loads and
@@ -84,11 +86,12 @@ class ClusterSpec:
 
 
 class _Seq:
-    __slots__ = ("i", "req", "num_tokens", "computed", "alloc", "remaining", "enq_t", "adm_t", "inst")
+    __slots__ = ("i", "req", "num_tokens", "computed", "alloc", "shared", "remaining", "enq_t", "adm_t", "inst")
 
     def __init__(self, i: int, req: SimRequest, num_tokens: int, computed: int):
         self.i, self.req, self.num_tokens, self.computed = i, req, num_tokens, computed
         self.alloc = 0
+        self.shared = 0  # leading blocks that are L1 prefix-cache hits (counted in the LRU, not in used)
         self.remaining = 0
         self.enq_t = self.adm_t = -1.0
         self.inst = None
@@ -152,11 +155,22 @@ class Simulator:
         self.rec: list[list] = [None] * len(self.reqs)
         self.events_run = 0
         self.nroute = 0
-        if self.l3 is not None:  # sessions that exist before t=0: their history is in L3
-            for blocks in prewarm:
-                new, ev = self.l3.touch_insert(tuple(blocks))
+        # sessions that exist before t=0: their history is in L3, or (no L3) in the L1 and L2
+        # of the prefill-side instances, round-robin (as if computed there)
+        pside = [w for w in self.insts if w.role != ROLE_DECODE]
+        for k, blocks in enumerate(prewarm):
+            blocks = tuple(blocks)
+            if self.l3 is not None:
+                new, ev = self.l3.touch_insert(blocks)
                 self.v_l3.update(new)
                 self.v_l3.difference_update(ev)
+            elif pside:
+                w = pside[k % len(pside)]
+                for lru, view in ((w.l1, self.v_l1[w.wid]), (w.l2, self.v_l2[w.wid])):
+                    if lru is not None:
+                        new, ev = lru.touch_insert(blocks)
+                        view.update(new)
+                        view.difference_update(ev)
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
 
@@ -247,6 +261,7 @@ class Simulator:
         self.rec[i] = [r.arrival_s, d.request_class, d.pool, w.wid, a * self.bs, (b2 - a) * self.bs,
                        (c3 - b2) * self.bs, None, None, None, None, d.reuse_ratio, stale, d.decode_worker, now]
         s = _Seq(i, r, r.prompt_tokens, cached)
+        s.alloc = s.shared = a
         s.inst = w
         w.loading += 1
         w.pending_tokens += r.prompt_tokens - cached
@@ -295,8 +310,8 @@ class Simulator:
             back = []
             for s in run:
                 if s.i in pre:
-                    w.used -= s.alloc
-                    s.alloc = 0
+                    w.used -= s.alloc - s.shared
+                    s.alloc = s.shared = 0
                     if w.role != ROLE_DECODE:
                         w.pending_tokens += s.computed
                         s.computed = 0
@@ -435,8 +450,8 @@ class Simulator:
 
     def _handoff_done(self, now: float, w: _Inst, s: _Seq, dec: str | None) -> None:
         # prefill side: release the pinned blocks, cache the full blocks (L1, and L2 inclusive)
-        w.used -= s.alloc
-        s.alloc = 0
+        w.used -= s.alloc - s.shared
+        s.alloc = s.shared = 0
         full = s.req.blocks[: s.req.prompt_tokens // self.bs]
         if full:
             new, ev = w.l1.touch_insert(full, w.cap - w.used)

@@ -18,9 +18,18 @@ def _bar(total: float, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="sim-s", leave=False, dynamic_ncols=True)
 
 
+def _point(args):
+    exp, cfg, q, overrides = args
+    return run_point(exp, cfg, q, overrides=overrides)
+
+
 def run_sweep(exp: dict, configs: list[str] | None = None, qps: list[float] | None = None,
-              progress: bool = True, overrides: dict | None = None) -> dict[str, Any]:
+              progress: bool = True, overrides: dict | None = None, jobs: int = 1) -> dict[str, Any]:
     """Every (configuration, QPS/GPU) point of ``exp``, then saturation and gain.
+
+    ``jobs > 1`` runs points in that many worker *processes* (each point is an independent,
+    single-threaded, deterministic simulation; results are collected in sweep order, so
+    the output does not depend on ``jobs``).
 
     Returns:
         ``{"name", "points": [...], "saturation": {config: {...}}, "gain_vs": {...}, "slo": {...}}``.
@@ -31,7 +40,16 @@ def run_sweep(exp: dict, configs: list[str] | None = None, qps: list[float] | No
     horizon = exp.get("ramp_s", 30) + exp.get("steady_s", 600) + exp.get("drain_s", 60)
     bar = _bar(len(configs) * len(qps) * horizon, exp.get("name", "sweep"), progress)
     points = []
-    for cfg in configs:
+    if jobs > 1:
+        import multiprocessing as mp
+        work = [(exp, c, q, overrides) for c in configs for q in qps]
+        with mp.get_context("fork").Pool(jobs) as pool:
+            for p in pool.imap(_point, work):
+                points.append(p)
+                if bar is not None:
+                    bar.update(horizon)
+                    bar.set_postfix_str(f"{p['config']} {p['qps_per_gpu']:.1f}")
+    for cfg in (configs if jobs <= 1 else []):
         for q in qps:
             done = [0.0]
 
@@ -59,7 +77,8 @@ def run_sweep(exp: dict, configs: list[str] | None = None, qps: list[float] | No
             "num_gpus": {c: build_cluster(exp, c).num_gpus for c in configs}}
 
 
-def run_study(exp: dict, progress: bool = True, on_cell: Callable[[dict], None] | None = None) -> dict[str, Any]:
+def run_study(exp: dict, progress: bool = True, on_cell: Callable[[dict], None] | None = None,
+              jobs: int = 1) -> dict[str, Any]:
     """Cold-fraction x output-length study: saturation of a baseline and CPD per cell.
 
     Uses ``exp["study"]``: ``{"baseline", "cpd", "cold_fraction": [...], "output_tokens": [...],
@@ -76,7 +95,7 @@ def run_study(exp: dict, progress: bool = True, on_cell: Callable[[dict], None] 
         it = tqdm(combos, desc="study", leave=False, dynamic_ncols=True)
     for c, o in it:
         r = run_sweep(e, [st["baseline"], st["cpd"]], progress=False,
-                      overrides={"cold_fraction": c, "output_tokens": o})
+                      overrides={"cold_fraction": c, "output_tokens": o}, jobs=jobs)
         b, p = r["saturation"][st["baseline"]], r["saturation"][st["cpd"]]
         cold = sum(x["cold_fraction"] for x in r["points"]) / len(r["points"])
         cell = {"cold_fraction_knob": c, "output_tokens": o, "realised_cold_fraction": round(cold, 4),
