@@ -29,6 +29,7 @@ def serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     num_blocks: int = typer.Option(2048, help="L1 KV blocks per worker"),
+    l3_chunk_blocks: int = typer.Option(0, help="blocks per L3 store value (0 = URL's chunk_blocks or 1)"),
     block_size: int = typer.Option(16, help="tokens per KV block"),
     host_kv_bytes: int = typer.Option(512 << 20, help="L2 host KV pool bytes per worker"),
     cold_threshold: float = typer.Option(0.5, help="reuse ratio below which a request is cold"),
@@ -44,7 +45,7 @@ def serve(
         model_dir=_resolve_model(model), topology=topology,
         num_pre_prefill=(pre_prefill if pre_prefill is not None else 1) if topology == "cpd" else 0,
         num_prefill=prefill if prefill is not None else (1 if topology == "cpd" else 2),
-        num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, block_size=block_size,
+        num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, l3_chunk_blocks=l3_chunk_blocks, block_size=block_size,
         host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens)
     dep = Deployment(cfg, log_dir=log_dir)
     typer.echo(f"starting {topology}: {', '.join(cfg.roles())} (model {cfg.model_dir})")

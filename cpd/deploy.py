@@ -52,6 +52,7 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
     num_blocks: int = 1024
+    l3_chunk_blocks: int = 0  # 0 = the store URL's chunk_blocks, else 1
     block_size: int = 16
     host_kv_bytes: int = 256 << 20
     cold_threshold: float = 0.5
@@ -128,6 +129,7 @@ class Deployment:
             args = ["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", self.cfg.model_dir,
                     "--host", self.cfg.host, "--port", str(port), "--events-port", str(eport),
                     "--kv-store", kv_store, "--num-blocks", str(self.cfg.num_blocks),
+                    "--l3-chunk-blocks", str(self.cfg.l3_chunk_blocks),
                     "--block-size", str(self.cfg.block_size), "--host-kv-bytes", str(self.cfg.host_kv_bytes),
                     "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens),
                     "--max-prefill-chunk-tokens", str(self.cfg.max_prefill_chunk_tokens),

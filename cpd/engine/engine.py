@@ -337,6 +337,12 @@ class Engine:
         d.update({f"l2_{k}": v for k, v in self.host_pool.stats().items()})
         return d
 
+    def cached_block_hashes(self) -> dict[str, list[int]]:
+        """Block hashes cached per tier, ``{"L1": [...], "L2": [...]}`` — the snapshot a
+        router resynchronises its prefix index from after an event gap."""
+        with self._step_lock:
+            return {"L1": list(self.pool.cached), "L2": self.host_pool.hashes()}
+
     def check_invariants(self) -> None:
         """Raises ``AssertionError`` if pool bookkeeping disagrees with the requests' blocks."""
         with self._step_lock:

@@ -113,6 +113,10 @@ class HostPool:
         self.num_hits += 1
         return self.data[slot]
 
+    def hashes(self) -> list[int]:
+        """Block hashes held, least recently used first."""
+        return list(self._lru)
+
     def clear(self) -> None:
         """Drop everything (no per-block events; the caller emits ``AllBlocksCleared``)."""
         self._free.extend(self._lru.values())

@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events-port", type=int, required=True)
     p.add_argument("--kv-store", default="", help="L3 store URL (file://DIR or redis://HOST:PORT); empty = none")
+    p.add_argument("--l3-chunk-blocks", type=int, default=0,
+                   help="blocks per L3 value; 0 = the URL's chunk_blocks or 1 (processes sharing a store must agree)")
     p.add_argument("--num-blocks", type=int, default=1024, help="L1 KV blocks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--host-kv-bytes", type=int, default=256 << 20, help="L2 host pool size in bytes")
@@ -54,7 +56,7 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     if a.kv_store and a.role != "decode":
         from cpd.store import open_store
         from cpd.store.connector import L3Connector
-        connector = L3Connector(open_store(a.kv_store), event_sink=publisher.emit)
+        connector = L3Connector(open_store(a.kv_store, chunk_blocks=a.l3_chunk_blocks or None), event_sink=publisher.emit)
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             max_prefill_chunk_tokens=a.max_prefill_chunk_tokens, block_size=a.block_size)
     engine = Engine(a.model, num_blocks=a.num_blocks, block_size=a.block_size, host_kv_bytes=a.host_kv_bytes,
@@ -64,7 +66,7 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     if a.role == "decode":
         receiver = HandoffReceiver()
     else:
-        sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, host=a.host)
+        sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, bind_host=a.host)
     runner = EngineRunner(engine, publisher)
     return WorkerState(a.role, a.worker_id, engine, runner, sender, receiver, publisher, connector)
 
