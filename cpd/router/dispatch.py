@@ -89,9 +89,10 @@ class CPDBackend:
         t0 = req.arrival_time if req.arrival_time is not None else time.monotonic()
         d, hashes = self.decide(req)
         pre = await self._prefill_with_retry(req, d, hashes)
-        d = pre["decision"]
+        d, hashes = pre["decision"], pre["hashes"]
         ttft = time.monotonic() - t0
         self._record_prefill(d, pre, ttft, len(req.prompt_token_ids))
+        self._correct_stale_index(d, pre, hashes)
         cached = sum(pre["num_cached_tokens_by_tier"].values())
         self._remember(req, d, pre, ttft)
         yield GenerationChunk(token_ids=pre["first_token_ids"], finish_reason=pre["finish_reason"],
@@ -110,7 +111,7 @@ class CPDBackend:
         for attempt in range(2):
             try:
                 pre = await self._prefill(req, d)
-                pre["decision"] = d
+                pre["decision"], pre["hashes"] = d, hashes
                 return pre
             except httpx.TransportError as e:
                 log.warning("prefill on %s failed (%r); attempt %d", d.prefill_worker, e, attempt)
@@ -162,6 +163,18 @@ class CPDBackend:
             raise BackendError(f"decode worker {w.worker_id} failed: {e!r}", 502, "server_error") from e
         finally:
             w.running_requests -= 1
+
+    def _correct_stale_index(self, d: RouteDecision, pre: dict, hashes: list[int]) -> None:
+        """The index promised L3 blocks the worker did not find (evicted or lost without an
+        event): count the fallback and drop those blocks from the index (DESIGN §4)."""
+        plan = d.load_plan
+        if not plan.l3_blocks:
+            return
+        got_blocks = sum(pre["num_cached_tokens_by_tier"].values()) // self.cfg.block_size
+        if got_blocks < plan.num_cached_blocks:
+            start = max(got_blocks, plan.l1_blocks + plan.l2_blocks)
+            self.index.discard_l3(hashes[start:plan.num_cached_blocks])
+            self.metrics.fallbacks.labels("stale_index").inc()
 
     def _remember(self, req: GenerationRequest, d: RouteDecision, pre: dict, ttft_s: float) -> None:
         self.recent[req.request_id] = {

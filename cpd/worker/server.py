@@ -47,6 +47,15 @@ class WorkerState:
         self.publisher = publisher
         self.connector = connector
         self.http = httpx.AsyncClient(timeout=10.0)
+        self._fallbacks_reported: dict[str, int] = {}
+
+    def new_fallbacks(self) -> dict[str, int]:
+        """Connector fallbacks (by kind) since the last call — the router sums them, so
+        each one is reported exactly once (called on the event loop only)."""
+        now = dict(getattr(self.connector, "fallback_counts", {}) or {})
+        delta = {k: v - self._fallbacks_reported.get(k, 0) for k, v in now.items()}
+        self._fallbacks_reported = now
+        return {k: v for k, v in delta.items() if v > 0}
 
 
 async def _next_output(stream, request: Request):
@@ -136,7 +145,8 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
     handoff = out.finish_reason == "handoff"
     resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
-            "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0}
+            "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0,
+            "fallback": st.new_fallbacks()}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
     with st.runner.engine_lock:

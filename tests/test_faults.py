@@ -1,0 +1,118 @@
+"""Faults in a running deployment (real processes, real Redis): every request still
+gets the oracle's tokens, nothing hangs, fallbacks are counted (DESIGN §4).
+
+Order matters inside this module: the last test stops Redis.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from deploy_util import assert_no_leaks, complete, routing_record, start
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from cpd.engine.weights import make_tiny_llama_dir
+    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-faults", seed=3))
+
+
+@pytest.fixture(scope="module")
+def rds(tmp_path_factory):
+    from conftest import RedisServer
+    srv = RedisServer(tmp_path_factory.mktemp("redis-faults"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_dir, rds):
+    d = start(tiny_dir, "cpd", kv_store=rds.url)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(dep):
+    yield
+    assert_no_leaks(dep)
+
+
+def _prompt(seed: int, n: int = 160) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(10, 40000, size=n)]
+
+
+def _oracle(model_dir: str, prompt: list[int]) -> list[int]:
+    from cpd.engine.engine import Engine
+    from cpd.engine.sampling import SamplingParams
+    return Engine(model_dir, num_blocks=64).generate(
+        prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+
+
+def _fallbacks(dep) -> dict[str, float]:
+    text = httpx.get(f"{dep.url}/metrics", timeout=5).text
+    return {m[0]: float(m[1]) for m in re.findall(r'cpd_fallbacks_total\{kind="([^"]+)"\} ([0-9.e+]+)', text)}
+
+
+def _warm_up_l3(dep, prompt) -> None:
+    complete(dep, prompt, MAX_TOKENS)  # cold: pre-prefill writes the blocks through to L3
+    time.sleep(0.5)
+    dep.reset_prefix_caches()  # make sure a later hit can only come from L3
+    time.sleep(0.3)
+
+
+def test_corrupted_l3_payload_is_recomputed(dep, rds, tiny_dir):
+    prompt = _prompt(11)
+    _warm_up_l3(dep, prompt)
+    r = redis.Redis(port=rds.port)
+    keys = [k for k in r.keys("cpd:kv:*") if b"stage" not in k and b"meta" not in k]
+    assert keys
+    for k in keys:  # flip bytes in the middle of every stored payload
+        v = bytearray(r.get(k))
+        v[len(v) // 2] ^= 0xFF
+        r.set(k, bytes(v))
+    before = _fallbacks(dep).get("corrupt", 0)
+    out = complete(dep, prompt, MAX_TOKENS)
+    rec = routing_record(dep, out["id"])
+    assert rec["load_plan"]["l3_blocks"] > 0  # the router believed L3 had it ...
+    assert rec["cached_tokens_by_tier"].get("L3", 0) == 0  # ... the worker refused the corrupt blocks
+    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert _fallbacks(dep).get("corrupt", 0) > before
+
+
+def test_stale_index_block_gone_is_recomputed(dep, rds, tiny_dir):
+    prompt = _prompt(12)
+    _warm_up_l3(dep, prompt)
+    redis.Redis(port=rds.port).flushall()  # blocks vanish without any BlockRemoved event
+    out = complete(dep, prompt, MAX_TOKENS)
+    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert _fallbacks(dep).get("stale_index", 0) >= 1
+    again = complete(dep, prompt, MAX_TOKENS)  # index corrected: L3 no longer promised
+    rec = routing_record(dep, again["id"])
+    assert rec["load_plan"]["l3_blocks"] == 0 and rec["load_plan"]["l1_blocks"] > 0  # now from the L1 it computed
+    assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+
+
+def test_store_unreachable_falls_back_fast(dep, rds, tiny_dir):
+    prompt = _prompt(13)
+    _warm_up_l3(dep, prompt)
+    rds.stop()
+    try:
+        t0 = time.time()
+        out = complete(dep, prompt, MAX_TOKENS)
+        assert time.time() - t0 < 30
+        assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+        fresh = _prompt(14)  # a cold prompt whose write-through fails
+        assert complete(dep, fresh, MAX_TOKENS)["choices"][0]["token_ids"] == _oracle(tiny_dir, fresh)
+        fb = _fallbacks(dep)
+        assert fb.get("unavailable", 0) + fb.get("timeout", 0) > 0, fb
+    finally:
+        rds.start()
