@@ -84,6 +84,7 @@ class Deployment:
         self.port = cfg.port or free_port()
         self.url = f"http://{cfg.host}:{self.port}"
         self._own_store: str | None = None
+        self._worker_procs: dict[str, subprocess.Popen] = {}
         self._tmp = tempfile.mkdtemp(prefix="cpd-deploy-")
         self.log_dir = Path(log_dir or self._tmp)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +142,7 @@ class Deployment:
             info["events_endpoint"] = f"tcp://{self.cfg.host}:{info['events_port']}"
             info["pid"] = p.pid
             self.workers.append(info)
+            self._worker_procs[wid] = p
 
     def _start_router(self, timeout_s: float) -> None:
         w0 = self.workers[0]
@@ -195,12 +197,22 @@ class Deployment:
         self.stop()
 
     # --- helpers for tests and the demo -------------------------------------------------
+    def alive_workers(self) -> list[dict]:
+        return [w for w in self.workers if self._worker_procs[w["worker_id"]].poll() is None]
+
+    def kill_worker(self, worker_id: str) -> None:
+        """SIGKILL one worker (fault injection in tests)."""
+        p = self._worker_procs[worker_id]
+        p.kill()
+        p.wait(10)
+
     def worker_urls(self, role: str | None = None) -> list[str]:
-        return [w["url"] for w in self.workers if role is None or w["role"] == role]
+        return [w["url"] for w in self.alive_workers() if role is None or w["role"] == role]
 
     def pool_stats(self) -> dict[str, dict]:
-        """Each worker's block-pool accounting (``GET /load``)."""
-        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5).json()["pool"] for w in self.workers}
+        """Each live worker's block-pool accounting (``GET /load``)."""
+        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5).json()["pool"]
+                for w in self.alive_workers()}
 
     def reset_prefix_caches(self) -> None:
         """Clear every worker's L1 and L2 (the L3 store is untouched)."""

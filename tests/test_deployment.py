@@ -144,6 +144,7 @@ def test_client_disconnect_mid_stream_frees_blocks(cpd_dep):
                     break  # leave mid-stream; the fixture asserts pools return to baseline
     stats = cpd_dep.pool_stats()
     assert set(stats) == {w["worker_id"] for w in cpd_dep.workers}
+    assert httpx.get(f"{cpd_dep.url}/health", timeout=5).status_code == 200
 
 
 def test_concurrent_requests_warm_and_cold(cpd_dep, tiny_model_dir):

@@ -116,3 +116,20 @@ def test_store_unreachable_falls_back_fast(dep, rds, tiny_dir):
         assert fb.get("unavailable", 0) + fb.get("timeout", 0) > 0, fb
     finally:
         rds.start()
+
+
+def test_prefill_worker_killed_request_retried_elsewhere(dep, tiny_dir):
+    prompt = _prompt(15)
+    complete(dep, prompt, MAX_TOKENS)
+    time.sleep(0.5)
+    warm = complete(dep, prompt, MAX_TOKENS)
+    assert routing_record(dep, warm["id"])["prefill_worker"] == "p0"
+    dep.kill_worker("p0")
+    t0 = time.time()
+    out = complete(dep, prompt, MAX_TOKENS)  # routed to p0, fails, retried on the pre-prefill worker
+    assert time.time() - t0 < 30
+    assert routing_record(dep, out["id"])["prefill_worker"] == "pp0"
+    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert _fallbacks(dep).get("prefill_worker_failed", 0) >= 1
+    health = httpx.get(f"{dep.url}/health", timeout=5).json()
+    assert health["workers"]["p0"] is False
