@@ -200,8 +200,11 @@ class CPDBackend:
                 loaded += n
         computed = max(0, num_prompt_tokens - loaded)
         m.prompt_tokens.labels("computed").inc(computed)
-        for tier, b in (pre.get("kv_bytes_by_tier") or {}).items():
-            m.kv_bytes.labels(tier).inc(b)
+        bytes_per_token = self.estimates.model().kv_bytes_per_token
+        for tier in ("L2", "L3"):
+            m.kv_bytes.labels(tier).inc(by_tier.get(tier, 0) * bytes_per_token)
+        for tier, (nbytes, seconds) in (pre.get("transfers") or {}).items():
+            self.estimates.observe_transfer(tier, nbytes, seconds)
         m.kv_bytes.labels("handoff").inc(pre.get("kv_bytes", 0))
         for r in d.reasons:
             if r.startswith("recompute-"):

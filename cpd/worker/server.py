@@ -48,6 +48,7 @@ class WorkerState:
         self.connector = connector
         self.http = httpx.AsyncClient(timeout=10.0)
         self._fallbacks_reported: dict[str, int] = {}
+        self._l3_reported = (0, 0.0)
 
     def new_fallbacks(self) -> dict[str, int]:
         """Connector fallbacks (by kind) since the last call — the router sums them, so
@@ -56,6 +57,15 @@ class WorkerState:
         delta = {k: v - self._fallbacks_reported.get(k, 0) for k, v in now.items()}
         self._fallbacks_reported = now
         return {k: v for k, v in delta.items() if v > 0}
+
+    def new_l3_transfers(self) -> dict[str, list]:
+        """L3 bytes loaded and seconds spent since the last call: ``{"L3": [bytes, s]}``."""
+        if self.connector is None:
+            return {}
+        now = (self.connector.load_bytes, self.connector.load_seconds)
+        delta = (now[0] - self._l3_reported[0], now[1] - self._l3_reported[1])
+        self._l3_reported = now
+        return {"L3": [delta[0], delta[1]]} if delta[0] > 0 else {}
 
 
 async def _next_output(stream, request: Request):
@@ -146,7 +156,7 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
     resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
             "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0,
-            "fallback": st.new_fallbacks()}
+            "fallback": st.new_fallbacks(), "transfers": st.new_l3_transfers()}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
     with st.runner.engine_lock:
