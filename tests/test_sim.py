@@ -34,7 +34,8 @@ def test_two_runs_are_byte_identical():
     exp = _small_exp()
     a = json.dumps(run_sweep(exp, progress=False), sort_keys=True)
     b = json.dumps(run_sweep(exp, progress=False), sort_keys=True)
-    assert a == b
+    c = json.dumps(run_sweep(exp, progress=False, jobs=2), sort_keys=True)
+    assert a == b == c
     assert '"requests"' in a
 
 

@@ -125,7 +125,9 @@ def analyze(
              + ", ".join(f"{k} {v:.1f} GPUs (≈{nodes[k]} node(s) of 4)" for k, v in split.items()))
     gain_txt = None
     if simulate:
-        gain_txt = _quick_sim(trace, sim_steady_s, model, gpu, kv_dtype_bytes)
+        cap = 1.0 / (es * 12)  # QPS/GPU at which the shared 2P prefill pool would be 100 % busy
+        pts = sorted({round(cap * f, 2) for f in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)})
+        gain_txt = _quick_sim(trace, sim_steady_s, model, gpu, kv_dtype_bytes, pts, nodes)
         L.append(f"* quick simulation (trace time-scaled, {sim_steady_s:.0f} s steady per point): {gain_txt}")
     L.append("* **CPD pays** on this traffic." if (block and prof.token_hit_ratio > 0.2) else
              "* CPD is unlikely to pay much here (little blocking or little reuse).")
@@ -136,19 +138,26 @@ def analyze(
     typer.echo(text)
 
 
-def _quick_sim(trace: Path, steady_s: float, model: str, gpu: str, kvb: float) -> str:
+def _quick_sim(trace: Path, steady_s: float, model: str, gpu: str, kvb: float, pts: list[float],
+               nodes: dict[str, int]) -> str:
     from cpd.sim.experiment import load_experiment
     from cpd.sim.sweep import run_sweep
     exp = copy.deepcopy(load_experiment("reference_b200"))
     exp.update(model=model, gpu=gpu, kv_dtype_bytes=kvb, steady_s=steady_s, ramp_s=10, drain_s=30)
     exp["workload"] = {"kind": "mooncake", "path": str(trace), "spread_ticks_s": 3.0}
     exp["configs"] = {k: exp["configs"][k] for k in ("2P1D", "CPD-1D")}
-    exp["qps_per_gpu"] = [0.2, 0.4, 0.6, 0.8, 1.0, 1.2]
+    exp["configs"]["CPD-split"] = {"topology": "cpd", "pre_prefill": nodes["pre-prefill"],
+                                   "prefill": nodes["prefill"], "decode": nodes["decode"]}
+    exp["qps_per_gpu"] = pts
     r = run_sweep(exp, progress=False)
     s = r["saturation"]
-    g = r["gain_vs"]["2P1D"]["CPD-1D"]
-    return (f"saturation 2P1D {s['2P1D']['qps_per_gpu']} vs CPD-1D {s['CPD-1D']['qps_per_gpu']} QPS/GPU "
-            f"(TTFT p90 <= {r['slo']['ttft_p90_s']} s) → gain {'n/a' if g is None else f'{g * 100:.0f} %'}")
+
+    def g(c):
+        v = r["gain_vs"]["2P1D"][c]
+        return "n/a" if v is None else f"{v * 100:+.0f} %"
+    return (f"loads {pts} QPS/GPU; saturation (TTFT p90 <= {r['slo']['ttft_p90_s']} s) 2P1D "
+            f"{s['2P1D']['qps_per_gpu']}, CPD-1D (1+1+1 nodes) {s['CPD-1D']['qps_per_gpu']} ({g('CPD-1D')}), "
+            f"CPD with the suggested split {s['CPD-split']['qps_per_gpu']} QPS/GPU ({g('CPD-split')} vs 2P1D)")
 
 
 def _plots(prof, curve, out: Path) -> None:
