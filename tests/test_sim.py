@@ -131,3 +131,22 @@ def test_trace_replay_scaling(trace_path=None):
     assert r2[-1].arrival_s == pytest.approx(r1[-1].arrival_s / 2)
     assert r2[5].prompt_tokens == round(r1[5].prompt_tokens / 8)
     assert r2[5].blocks == r1[5].blocks
+
+
+def test_simulate_cli_writes_results_report_and_plots(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from cpd.sim.cli import simulate
+    exp = _small_exp()
+    exp["qps_per_gpu"] = [0.4]
+    p = tmp_path / "exp.json"
+    p.write_text(json.dumps(exp))
+    app = typer.Typer()
+    app.command()(simulate)
+    r = CliRunner().invoke(app, [str(p), "--out", str(tmp_path / "o"), "--no-progress", "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    for f in ("results.json", "report.md", "ttft_vs_qps.png", "throughput_vs_qps.png"):
+        assert (tmp_path / "o" / f).stat().st_size > 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert set(res["saturation"]) == {"2P1D", "CPD-1D"}

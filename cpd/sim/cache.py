@@ -49,13 +49,14 @@ class BlockLRU:
     def shrink(self, room: int | None = None) -> list[int]:
         """Evict least-recent blocks until at most ``room`` (default: capacity) remain."""
         cap = self.capacity if room is None else (room if self.capacity is None else min(room, self.capacity))
-        ev: list[int] = []
         if cap is None:
-            return ev
+            return []
         od = self.od
-        while len(od) > max(0, cap):
-            ev.append(od.popitem(last=False)[0])
-        return ev
+        n = len(od) - max(0, cap)
+        if n <= 0:
+            return []
+        pop = od.popitem
+        return [pop(False)[0] for _ in range(n)]
 
 
 def leading_in(s, blocks: Sequence[int], limit: int | None = None) -> int:
