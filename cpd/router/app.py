@@ -47,7 +47,13 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.backend: CPDBackend | None = None
         self._resync_pending: set[str] = set()
-        self.workers.on_unhealthy = self.index.drop_worker
+        self.workers.on_unhealthy = self._on_unhealthy
+        self.workers.on_recovered = self._resync_pending.add  # rebuild its index entries
+
+    def _on_unhealthy(self, worker_id: str) -> None:
+        """A worker stopped answering: forget its L1/L2 blocks and count it."""
+        self.index.drop_worker(worker_id)
+        self.metrics.fallbacks.labels("worker_unhealthy").inc()
 
     def _on_batch(self, worker_id: str, seq: int, batch) -> None:
         if not self.index.apply_batch(worker_id, seq, batch):

@@ -52,6 +52,7 @@ class WorkerSet:
         self.poll_interval_s = poll_interval_s
         self._task: asyncio.Task | None = None
         self.on_unhealthy = None  # callback(worker_id) -> None
+        self.on_recovered = None  # callback(worker_id) -> None
 
     def snapshots(self) -> list[WorkerLoad]:
         return [w.snapshot() for w in self.by_id.values()]
@@ -69,6 +70,8 @@ class WorkerSet:
                 r.raise_for_status()
                 w.last_load = r.json()
                 w.kv_usage = float(w.last_load.get("kv_usage", 0.0))
+                if not w.healthy and self.on_recovered is not None:
+                    self.on_recovered(w.worker_id)
                 w.healthy = True
             except (httpx.HTTPError, ValueError):
                 self.mark_unhealthy(w.worker_id)
