@@ -150,3 +150,20 @@ def test_simulate_cli_writes_results_report_and_plots(tmp_path):
         assert (tmp_path / "o" / f).stat().st_size > 0
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert set(res["saturation"]) == {"2P1D", "CPD-1D"}
+
+
+def test_closed_loop_turn_waits_for_previous_answer():
+    from cpd.sim.experiment import build_cluster, make_workload
+    exp = _small_exp()
+    cl = build_cluster(exp, "CPD-1D")
+    reqs, pre = make_workload(exp, 1.0 * cl.num_gpus, 1)
+    assert any(r.after >= 0 for r in reqs)
+    sim = Simulator(cl, reqs, stop_s=80.0, prewarm=pre).run()
+    checked = 0
+    for i, r in enumerate(sim.reqs):
+        if r.after >= 0 and sim.rec[i] is not None:
+            prev = sim.rec[r.after]
+            assert prev is not None and prev[8] is not None
+            assert sim.rec[i][0] >= prev[8] - 1e-9
+            checked += 1
+    assert checked > 10

@@ -16,7 +16,9 @@ prefill and decode GPUs). Each sweep point offers ``qps_per_gpu * num_gpus`` req
 
 Saturation rule: a point *keeps up* when (a) TTFT p90 over the steady window <= ``slo.ttft_p90_s``
 and (b) at least ``slo.min_completion_ratio`` of the window's requests got their first token
-before the window closed + ``drain_s``. The saturation QPS/GPU is where the TTFT p90 curve
+before the window closed + ``drain_s``, and (closed-loop workloads) at least that fraction of
+the offered requests actually arrived in the window (turns wait for the previous answer, so
+an overloaded cluster receives fewer). The saturation QPS/GPU is where the TTFT p90 curve
 crosses the SLO, linearly interpolated between the last point that keeps up and the first
 that does not (a point failing (b) counts as TTFT p90 = infinity: the crossing is then
 that point's load); if every point keeps up it is reported as ">= the largest point".
@@ -154,8 +156,11 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
     pgpus = sum(w.cost.tp for w in pre) or 1
     dgpus = sum(w.cost.tp for w in dec) or 1
     win_tokens = getattr(sim, "_win_tokens", None)
+    sched = sum(1 for r in sim.reqs if t0 <= r.arrival_s < t1)
     out = {
         "requests": n,
+        "arrival_ratio": _r(min(1.0, n / sched) if sched else 1.0),
+        "deferred_turns": sim.deferred,
         "completion_ratio": _r(done_first / n if n else 0.0),
         "cold_fraction": _r(cold / n if n else 0.0),
         "ttft_s": {k: _r(_pct(ttft, q)) for k, q in (("p50", .5), ("p90", .9), ("p99", .99))},
@@ -215,7 +220,7 @@ def saturation(points: list[dict], slo_p90: float, min_completion: float) -> dic
     prev = None
     for p in pts:
         p90 = p["ttft_s"]["p90"]
-        ok_c = p["completion_ratio"] >= min_completion
+        ok_c = p["completion_ratio"] >= min_completion and p.get("arrival_ratio", 1.0) >= min_completion
         if p90 is None or not ok_c or p90 > slo_p90:
             if prev is None:
                 return {"qps_per_gpu": None, "bounded": "below", "first_fail": p["qps_per_gpu"]}

@@ -149,7 +149,14 @@ class Simulator:
         self.v_l1 = {w.wid: set() for w in self.insts}
         self.v_l2 = {w.wid: set() for w in self.insts}
         self.v_l3: set[int] = set()
-        self.reqs = sorted(requests, key=lambda r: r.arrival_s)
+        if any(r.after >= 0 for r in requests):
+            self.reqs = list(requests)  # closed loop: indices must stay as generated
+            if any(b.arrival_s < a.arrival_s for a, b in zip(self.reqs, self.reqs[1:])):
+                raise ValueError("closed-loop requests must be in arrival order")
+        else:
+            self.reqs = sorted(requests, key=lambda r: r.arrival_s)
+        self._parked: dict[int, list[int]] = {}
+        self.deferred = 0
         # per request record: [arrival, cls, pool, worker, l1, l2, l3, ttft_t, done_t, queue_s,
         #                      dq_s, reuse, stale]
         self.rec: list[list] = [None] * len(self.reqs)
@@ -221,8 +228,14 @@ class Simulator:
                                   (w.used / w.cap) if w.cap else 1.0))
         return out
 
-    def _arrive(self, now: float, i: int) -> None:
+    def _arrive(self, now: float, i: int, released: bool = False) -> None:
         r = self.reqs[i]
+        if r.after >= 0 and not released:
+            prev = self.rec[r.after]
+            if prev is None or prev[8] is None:  # previous turn still running: wait for it
+                self._parked.setdefault(r.after, []).append(i)
+                self.deferred += 1
+                return
         blocks = r.blocks
         cap = max(0, (r.prompt_tokens - 1) // self.bs)
         l1, l2 = {}, {}
@@ -258,7 +271,7 @@ class Simulator:
         if self.l3 is not None and c3 > b2:
             self.l3.touch_insert(blocks[:c3])
         cached = c3 * self.bs
-        self.rec[i] = [r.arrival_s, d.request_class, d.pool, w.wid, a * self.bs, (b2 - a) * self.bs,
+        self.rec[i] = [now, d.request_class, d.pool, w.wid, a * self.bs, (b2 - a) * self.bs,
                        (c3 - b2) * self.bs, None, None, None, None, d.reuse_ratio, stale, d.decode_worker, now]
         s = _Seq(i, r, r.prompt_tokens, cached)
         s.alloc = s.shared = a
@@ -406,6 +419,7 @@ class Simulator:
                 w.used -= s.alloc
                 s.alloc = 0
                 self.rec[s.i][8] = now
+                self._release(now, s.i)
         self._kick(now, w)
 
     def _end_prefill(self, now: float, w: _Inst, items, dt: float) -> None:
@@ -464,6 +478,7 @@ class Simulator:
         self._kick(now, w)
         if dec is None or s.req.output_tokens <= 1:
             rec[8] = now
+            self._release(now, s.i)
             return
         d = self.by_id[dec]
         ds = _Seq(s.i, s.req, s.req.prompt_tokens + 1, s.req.prompt_tokens)
@@ -472,6 +487,11 @@ class Simulator:
         ds.inst = d
         d.waiting.append(ds)
         self._kick(now, d)
+
+    def _release(self, now: float, i: int) -> None:
+        for j in self._parked.pop(i, ()):
+            r = self.reqs[j]
+            self.at(max(now + r.think_s, r.arrival_s), self._arrive, j, True)
 
     # -- results -------------------------------------------------------------------------
     def links(self) -> list[Link]:

@@ -31,6 +31,10 @@ class SimRequest:
         output_tokens: tokens to generate (>= 1).
         blocks: prefix-hash block ids, one per ``block_size`` tokens (the last may be partial).
         tag: workload label (``cold``/``warm`` for the synthetic generator, ``trace`` otherwise).
+        after: closed loop: index (in the request list) of the session's previous turn; the
+            simulator delays this request until that one has finished, plus ``think_s``
+            (-1 = open loop: arrive at ``arrival_s``). Not written to Mooncake JSONL.
+        think_s: seconds between the previous turn's last token and this arrival (closed loop).
     """
 
     arrival_s: float
@@ -38,6 +42,8 @@ class SimRequest:
     output_tokens: int
     blocks: tuple[int, ...]
     tag: str = "trace"
+    after: int = -1
+    think_s: float = 0.0
 
 
 def load_mooncake(path: str | Path, time_scale: float = 1.0, tokens_per_hash_id: int = TRACE_BLOCK,
@@ -110,7 +116,10 @@ class AgentWorkload:
     starts in steady state: ``qps * mean_turn_gap_s`` sessions already exist at t=0 (their
     history is returned separately so the simulator can place it in L3; it is not written
     as requests), and the pool keeps that size (a new session retires the longest-idle
-    one), so a session's turns come about ``mean_turn_gap_s`` apart. A warm turn goes to the
+    one), so a session's turns come about ``mean_turn_gap_s`` apart. With ``closed_loop`` a
+    turn also waits for the previous turn's answer plus ``think_s`` (as an agent does), so
+    an overloaded cluster slows its own offered load instead of receiving turns whose
+    prefix is not cached yet. A warm turn goes to the
     longest-idle session if its last request is at least ``min_turn_gap_s`` old; otherwise a
     new session starts instead (so the realised cold fraction can exceed the knob).
     """
@@ -128,6 +137,8 @@ class AgentWorkload:
     max_active_sessions: int = 400
     mean_turn_gap_s: float = 30.0
     prewarm: bool = True
+    closed_loop: bool = True
+    think_s: float = 2.0
     block_size: int = TRACE_BLOCK
 
 
@@ -159,7 +170,7 @@ def agent_workload(w: AgentWorkload, qps: float, duration_s: float, ramp_s: floa
     sys_blocks = w.system_prompt // bs
     sys_ids = list(range(next_id, next_id + sys_blocks))
     next_id += sys_blocks
-    # session: [full block ids of last prompt, last prompt tokens, last output, last time]
+    # session: [full block ids of last prompt, last prompt tokens, last output, last time, last index]
     active: deque[list] = deque()
     out: list[SimRequest] = []
     prewarm: list[tuple[int, ...]] = []
@@ -175,7 +186,7 @@ def agent_workload(w: AgentWorkload, qps: float, duration_s: float, ramp_s: floa
             next_id += nb - sys_blocks
             prewarm.append(tuple(ids))
             # last use spread over the past gap, oldest first
-            active.append([ids, prompt, w.output_tokens, -w.mean_turn_gap_s * (1 - k / cap)])
+            active.append([ids, prompt, w.output_tokens, -w.mean_turn_gap_s * (1 - k / cap), -1])
     t = 0.0
     # thinning for the ramp: homogeneous rate qps, accept with rate(t)/qps
     while True:
@@ -209,12 +220,13 @@ def agent_workload(w: AgentWorkload, qps: float, duration_s: float, ramp_s: floa
             nb = -(-prompt // bs)
             ids = sys_ids + list(range(next_id, next_id + nb - sys_blocks))
             tag = "cold"
-            sess = [None, 0, 0, t]
+            sess = [None, 0, 0, t, -1]
             active.append(sess)
             if len(active) > cap:
                 active.popleft()
         next_id = max(next_id, max(ids) + 1)
+        after = sess[4] if (w.closed_loop and tag == "warm") else -1
         sess[0] = ids[: prompt // bs]
-        sess[1], sess[2], sess[3] = prompt, outl, t
-        out.append(SimRequest(round(t, 6), prompt, outl, tuple(ids), tag))
+        sess[1], sess[2], sess[3], sess[4] = prompt, outl, t, len(out)
+        out.append(SimRequest(round(t, 6), prompt, outl, tuple(ids), tag, after, w.think_s if after >= 0 else 0.0))
     return out, prewarm
