@@ -113,6 +113,32 @@ def test_batched_decode_equals_one_at_a_time(make_engine, oracle):
     assert e.num_steps < 4 * (GREEDY.max_tokens + 1)  # they really ran together
 
 
+def test_batched_decode_very_different_lengths(make_engine, oracle):
+    """Decode rows of 3 .. 150 tokens (1 .. 38 blocks, padded to the longest) attended to in
+    one batch give the same greedy tokens as each sequence alone; also with a prefill chunk
+    in the same step, and on the per-sequence reference path."""
+    lens = [3, 150, 17, 64, 1, 97]
+    ps = [prompt(40 + i, n) for i, n in enumerate(lens)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for batched in (True, False):
+        e = make_engine(num_blocks=256, scheduler_config=SchedulerConfig(max_num_batched_tokens=48,
+                                                                         max_prefill_chunk_tokens=32))
+        e.model.batched_decode = batched
+        out = run_all(e, [EngineRequest(f"r{i}", p, sp) for i, p in enumerate(ps)])
+        for i, p in enumerate(ps):
+            assert tokens(out[f"r{i}"]) == oracle(p, sp), (batched, i)
+
+
+def test_batched_decode_sampled_and_greedy_mixed(make_engine, oracle):
+    """A step with greedy and seeded-sampled rows samples each row by its own parameters."""
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, top_k=50, seed=11, ignore_eos=True)
+    p1, p2 = prompt(60, 9), prompt(61, 23)
+    e = make_engine()
+    out = run_all(e, [EngineRequest("g", p1, GREEDY), EngineRequest("s", p2, seeded)])
+    assert tokens(out["g"]) == oracle(p1)
+    assert tokens(out["s"]) == oracle(p2, seeded)
+
+
 def test_preemption_under_block_pressure(make_engine, oracle):
     # 12 blocks of 4 tokens; four requests that each need up to 5 blocks
     e = make_engine(num_blocks=12, scheduler_config=SchedulerConfig(max_num_batched_tokens=32))

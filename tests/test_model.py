@@ -86,6 +86,48 @@ def test_chunked_and_batched_forward_equal_full(tmp_path):
     assert (sel[0] - ref_a[-1]).abs().max().item() < 1e-4
 
 
+def test_batched_decode_matches_per_sequence_path(tmp_path):
+    """One-token rows of very different context lengths, batched (padded gather + mask) and
+    mixed with prefill chunks, give the logits of the per-sequence path and of full forwards."""
+    d = make_tiny_llama_dir(tmp_path / "m", seed=2, num_heads=6, num_kv_heads=2)
+    model, cfg = load_model_dir(d)
+    g = torch.Generator().manual_seed(3)
+    lens = [1, 2, 37, 5, 80]
+    seqs = [torch.randint(0, cfg.vocab_size, (n + 1,), generator=g) for n in lens]
+    bsz, nblk = 4, 24
+    tables = [list(range(i * nblk, (i + 1) * nblk))[::-1] for i in range(len(lens))]
+    chunk = torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    results = {}
+    for batched in (True, False):
+        model.batched_decode = batched
+        kv = torch.zeros(cfg.num_hidden_layers, 2, (len(lens) + 1) * nblk, bsz, cfg.num_key_value_heads,
+                         cfg.head_dim)
+        for s, t, n in zip(seqs, tables, lens):  # prefill each prompt alone
+            model(s[:n], build_metadata([SeqBatchInfo(0, n, t)], bsz), kv)
+        # decode rows + a prefill chunk (placed in the middle of the flat batch)
+        infos = [SeqBatchInfo(n, 1, t) for n, t in zip(lens, tables)]
+        ids = [s[n:n + 1] for s, n in zip(seqs, lens)]
+        infos.insert(2, SeqBatchInfo(0, 7, list(range(len(lens) * nblk, (len(lens) + 1) * nblk))))
+        ids.insert(2, chunk)
+        meta = build_metadata(infos, bsz)
+        results[batched] = model(torch.cat(ids), meta, kv, meta.last_token_indices)
+        # decode-only step (every row one token)
+        infos2 = [SeqBatchInfo(n, 1, t) for n, t in zip(lens, tables)]
+        meta2 = build_metadata(infos2, bsz)
+        kv_copy = kv.clone()
+        results[(batched, "dec")] = model(torch.cat(ids[:2] + ids[3:]), meta2, kv_copy)
+    model.batched_decode = True
+    assert (results[True] - results[False]).abs().max().item() < 1e-4
+    assert torch.equal(results[True].argmax(-1), results[False].argmax(-1))
+    assert (results[(True, "dec")] - results[(False, "dec")]).abs().max().item() < 1e-4
+    for j, (s, n) in enumerate(zip(seqs, lens)):  # vs one full forward of the n+1 tokens
+        ref, _ = _full_logits(model, cfg, s, bsz, list(range(nblk)))
+        row = j if j < 2 else j + 1
+        assert (results[True][row] - ref[-1]).abs().max().item() < 1e-4
+    ref_chunk, _ = _full_logits(model, cfg, chunk, bsz, list(range(2)))
+    assert (results[True][2] - ref_chunk[-1]).abs().max().item() < 1e-4
+
+
 def test_config_reads_rope_parameters_layout(tmp_path):
     d = make_tiny_llama_dir(tmp_path / "m", rope_theta=1234.0)
     assert read_config(d).rope_theta == 1234.0

@@ -672,9 +672,12 @@ class Engine:
                 self._register_full(r)
                 self._write_through(r)
             finished: list[_Req] = []
-            for row, i in enumerate(samplers):
-                r = sched[i][0]
-                tok = sample(logits[row], r.sampling, r.num_output, self._gen)
+            sreqs = [sched[i][0] for i in samplers]
+            if sreqs and all(r.sampling.temperature == 0 for r in sreqs):
+                toks = logits.argmax(dim=-1).tolist()  # all greedy: one argmax, one sync
+            else:
+                toks = [sample(logits[row], r.sampling, r.num_output, self._gen) for row, r in enumerate(sreqs)]
+            for r, tok in zip(sreqs, toks):
                 r.tokens.append(tok)
                 r.num_output += 1
                 reason = None

@@ -51,40 +51,109 @@ class SeqBatchInfo:
 class BatchMetadata:
     """Tensors derived from a list of :class:`SeqBatchInfo` (built by :func:`build_metadata`).
 
+    Sequences with one new token ("decode" rows, whatever their history) are attended
+    to together: their KV blocks are gathered for all of them in one op per layer into
+    a padded ``[B, T_max, ...]`` tensor and masked. The other sequences (prefill chunks)
+    are attended to one at a time.
+
     Attributes:
         positions: ``[T]`` int64 absolute positions of the flat tokens.
         slot_mapping: ``[T]`` int64 flat cache slot (``block * block_size + offset``) of each new token.
-        seqs: per sequence ``(query_start, num_new, context_slots [num_prior+num_new] int64)``.
         last_token_indices: ``[S]`` int64 index in the flat batch of each sequence's last token.
+        prefill_seqs: per multi-token sequence ``(query_start, num_new, context_slots [num_prior+num_new])``.
+        decode_q: ``[B]`` int64 flat indices of the decode rows (None when there are none).
+        decode_all: the decode rows are the whole batch, in order (``decode_q == arange(T)``).
+        decode_blocks: ``[B * max_blocks]`` int64 padded block tables of the decode rows
+            (padding = block 0, masked).
+        decode_max_blocks: blocks per padded decode row.
+        decode_mask: ``[B, 1, 1, max_blocks * block_size]`` float additive mask (0 / -inf).
+        infos / block_size / device: the inputs, for :attr:`seqs`.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    seqs: list[tuple[int, int, torch.Tensor]]
     last_token_indices: torch.Tensor
+    prefill_seqs: list[tuple[int, int, torch.Tensor]]
+    decode_q: torch.Tensor | None
+    decode_all: bool
+    decode_blocks: torch.Tensor | None
+    decode_max_blocks: int
+    decode_mask: torch.Tensor | None
+    infos: Sequence[SeqBatchInfo]
+    block_size: int
+    device: torch.device
+    _seqs: list[tuple[int, int, torch.Tensor]] | None = None
+
+    @property
+    def seqs(self) -> list[tuple[int, int, torch.Tensor]]:
+        """Per sequence ``(query_start, num_new, context_slots [num_prior+num_new] int64)``
+        (all sequences; built on first use — the per-sequence reference path)."""
+        if self._seqs is None:
+            out, q = [], 0
+            for info in self.infos:
+                out.append((q, info.num_new, _context_slots(info, self.block_size, self.device)))
+                q += info.num_new
+            self._seqs = out
+        return self._seqs
+
+
+def _context_slots(info: SeqBatchInfo, block_size: int, device) -> torch.Tensor:
+    total = info.num_prior + info.num_new
+    bt = torch.as_tensor(list(info.block_table[:-(-total // block_size)]), dtype=torch.int64)
+    ctx = (bt[:, None] * block_size + torch.arange(block_size, dtype=torch.int64)[None, :]).reshape(-1)[:total]
+    return ctx.to(device)
 
 
 def build_metadata(infos: Sequence[SeqBatchInfo], block_size: int,
                    device: str | torch.device = "cpu") -> BatchMetadata:
-    """Positions / slot mappings for a flat batch. Raises ``ValueError`` if a block
-    table is too short for its sequence."""
-    positions, slots, seqs, last = [], [], [], []
+    """Positions / slot mappings / decode gather tables for a flat batch. Raises
+    ``ValueError`` if a block table is too short for its sequence."""
+    device = torch.device(device)
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    prefill: list[tuple[int, int, torch.Tensor]] = []
+    dec_q: list[int] = []
+    dec_tables: list[Sequence[int]] = []
+    dec_lens: list[int] = []
     q = 0
     for info in infos:
-        total = info.num_prior + info.num_new
-        if len(info.block_table) * block_size < total:
-            raise ValueError(f"block table of {len(info.block_table)} blocks cannot hold {total} tokens")
-        bt = torch.as_tensor(list(info.block_table), dtype=torch.int64)
-        pos = torch.arange(total, dtype=torch.int64)
-        ctx = bt[pos // block_size] * block_size + pos % block_size
-        positions.append(pos[info.num_prior:])
-        slots.append(ctx[info.num_prior:])
-        seqs.append((q, info.num_new, ctx.to(device)))
-        q += info.num_new
+        p0, n = info.num_prior, info.num_new
+        total = p0 + n
+        bt = info.block_table
+        if len(bt) * block_size < total:
+            raise ValueError(f"block table of {len(bt)} blocks cannot hold {total} tokens")
+        if n == 1:
+            positions.append(p0)
+            slots.append(bt[p0 // block_size] * block_size + p0 % block_size)
+            dec_q.append(q)
+            dec_tables.append(bt)
+            dec_lens.append(total)
+        else:
+            ctx = _context_slots(info, block_size, "cpu")
+            positions.extend(range(p0, total))
+            slots.extend(ctx[p0:].tolist())
+            prefill.append((q, n, ctx.to(device)))
+        q += n
         last.append(q - 1)
+    dec_q_t = dec_blocks = dec_mask = None
+    max_blocks = 0
+    if dec_q:
+        max_blocks = -(-max(dec_lens) // block_size)
+        padded = [list(bt[:max_blocks]) + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in dec_tables]
+        dec_blocks = torch.tensor(padded, dtype=torch.int64).reshape(-1).to(device)
+        lens = torch.tensor(dec_lens, dtype=torch.int64)
+        pad = torch.arange(max_blocks * block_size, dtype=torch.int64)[None, :] >= lens[:, None]
+        dec_mask = torch.zeros(pad.shape, dtype=torch.float32).masked_fill_(pad, float("-inf"))
+        dec_mask = dec_mask[:, None, None, :].to(device)
+        dec_q_t = torch.tensor(dec_q, dtype=torch.int64, device=device)
     return BatchMetadata(
-        positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
-        seqs=seqs, last_token_indices=torch.as_tensor(last, dtype=torch.int64, device=device))
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        last_token_indices=torch.tensor(last, dtype=torch.int64, device=device),
+        prefill_seqs=prefill, decode_q=dec_q_t, decode_all=len(dec_q) == q, decode_blocks=dec_blocks,
+        decode_max_blocks=max_blocks, decode_mask=dec_mask, infos=list(infos), block_size=block_size,
+        device=device)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -131,6 +200,23 @@ def _linear(i: int, o: int, bias: bool, device, dtype) -> nn.Linear:
     return lin
 
 
+def _fused_linears(outs: Sequence[int], i: int, bias: bool, device, dtype) -> tuple[list[nn.Linear], torch.Tensor,
+                                                                                 torch.Tensor | None]:
+    """Linears whose weights (and biases) are row slices of one fused tensor, so that one
+    matmul computes them all; loading into each linear's parameter fills the fused tensor."""
+    w = torch.zeros(sum(outs), i, device=device, dtype=dtype)
+    bvec = torch.zeros(sum(outs), device=device, dtype=dtype) if bias else None
+    lins, o0 = [], 0
+    for o in outs:
+        lin = _linear(i, o, bias, "meta", dtype)
+        lin.weight = nn.Parameter(w[o0:o0 + o], requires_grad=False)
+        if bias:
+            lin.bias = nn.Parameter(bvec[o0:o0 + o], requires_grad=False)
+        lins.append(lin)
+        o0 += o
+    return lins, w, bvec
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device, dtype):
         super().__init__()
@@ -139,31 +225,75 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         b = cfg.attention_bias
-        self.q_proj = _linear(h, self.nh * d, b, device, dtype)
-        self.k_proj = _linear(h, self.nkv * d, b, device, dtype)
-        self.v_proj = _linear(h, self.nkv * d, b, device, dtype)
+        (self.q_proj, self.k_proj, self.v_proj), self._qkv_w, self._qkv_b = _fused_linears(
+            (self.nh * d, self.nkv * d, self.nkv * d), h, b, device, dtype)
         self.o_proj = _linear(self.nh * d, h, b, device, dtype)
         mb = cfg.mlp_bias
-        self.gate_proj = _linear(h, cfg.intermediate_size, mb, device, dtype)
-        self.up_proj = _linear(h, cfg.intermediate_size, mb, device, dtype)
+        self.inter = cfg.intermediate_size
+        (self.gate_proj, self.up_proj), self._gu_w, self._gu_b = _fused_linears(
+            (cfg.intermediate_size, cfg.intermediate_size), h, mb, device, dtype)
         self.down_proj = _linear(cfg.intermediate_size, h, mb, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: BatchMetadata) -> torch.Tensor:
+                meta: BatchMetadata, batched_decode: bool = True) -> torch.Tensor:
         T = x.shape[0]
+        nh, nkv, d = self.nh, self.nkv, self.d
         r = self.input_layernorm(x)
-        q = self.q_proj(r).view(T, self.nh, self.d)
-        k = self.k_proj(r).view(T, self.nkv, self.d)
-        v = self.v_proj(r).view(T, self.nkv, self.d)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = F.linear(r, self._qkv_w, self._qkv_b)  # [T, (nh + 2 nkv) d]
+        qk = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k together
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
         # kv_layer: [2, num_blocks, block_size, nkv, d] -> flat slots
-        k_cache = kv_layer[0].view(-1, self.nkv, self.d)
-        v_cache = kv_layer[1].view(-1, self.nkv, self.d)
+        k_cache = kv_layer[0].view(-1, nkv, d)
+        v_cache = kv_layer[1].view(-1, nkv, d)
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if not batched_decode:
+            attn = self._attend_per_seq(q, k_cache, v_cache, meta.seqs)
+        elif meta.decode_all:
+            attn = self._attend_decode(q, kv_layer, meta)
+        else:
+            attn = self._attend_per_seq(q, k_cache, v_cache, meta.prefill_seqs, T)
+            if meta.decode_q is not None:
+                attn.index_copy_(0, meta.decode_q, self._attend_decode(q.index_select(0, meta.decode_q),
+                                                                       kv_layer, meta))
+        x = x + self.o_proj(attn)
+        r = self.post_attention_layernorm(x)
+        gu = F.linear(r, self._gu_w, self._gu_b)
+        x = x + self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
+        return x
+
+    def _attend_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        """Rows with one new token each, all at once: one block gather for K and V, padded to
+        the longest context and masked (padding slots hold stale but finite pool values, which
+        get probability exactly 0); grouped-query attention as batched matmuls per KV head."""
+        B = q.shape[0]
+        nkv, d = self.nkv, self.d
+        g = self.nh // nkv
+        nb, bs = kv_layer.shape[1], kv_layer.shape[2]
+        kv = kv_layer.view(2, nb, bs * nkv * d).index_select(1, meta.decode_blocks)
+        Tm = meta.decode_max_blocks * bs
+        kv = kv.view(2, B, Tm, nkv, d).to(q.dtype)
+        qg = q.reshape(B, nkv, g, d) * (1.0 / math.sqrt(d))
+        # per KV head, bmm reads the gathered [B, Tm, nkv, d] K/V in place (row stride nkv*d),
+        # so no permuted copies are made
+        s = q.new_empty(B, nkv, g, Tm)
+        for h in range(nkv):
+            torch.bmm(qg[:, h], kv[0, :, :, h].transpose(1, 2), out=s[:, h])
+        s += meta.decode_mask
+        p = torch.softmax(s, dim=-1)
+        o = q.new_empty(B, nkv, g, d)
+        for h in range(nkv):
+            torch.bmm(p[:, h], kv[1, :, :, h], out=o[:, h])
+        return o.view(B, nkv * g * d)
+
+    def _attend_per_seq(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        seqs: list[tuple[int, int, torch.Tensor]], T: int | None = None) -> torch.Tensor:
+        """Each sequence on its own (gather + SDPA); with ``T``, into a ``[T, nh*d]`` buffer
+        whose rows not covered by ``seqs`` are left for the caller."""
         outs = []
-        for (qs, n, ctx) in meta.seqs:
+        for (qs, n, ctx) in seqs:
             L = ctx.shape[0]
             qi = q[qs:qs + n].transpose(0, 1)  # [nh, n, d]
             ki = k_cache.index_select(0, ctx).transpose(0, 1).to(q.dtype)  # [nkv, L, d]
@@ -177,11 +307,12 @@ class DecoderLayer(nn.Module):
                 mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             outs.append(o.transpose(0, 1).reshape(n, self.nh * self.d))
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-        x = x + self.o_proj(attn)
-        r = self.post_attention_layernorm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(r)) * self.up_proj(r))
-        return x
+        if T is None:
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        attn = q.new_empty(T, self.nh * self.d)
+        for (qs, n, _), o in zip(seqs, outs):
+            attn[qs:qs + n] = o
+        return attn
 
 
 class LlamaModel(nn.Module):
@@ -206,6 +337,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False,
                                                                     device, dtype)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        #: attend one-token rows of a batch together (False: the per-sequence reference path)
+        self.batched_decode = True
 
     # HF name -> our module path
     _HF_RENAMES = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
@@ -262,8 +395,11 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids.to(self.device))
         cos, sin = self.rope(meta.positions)
+        if meta.decode_mask is not None and meta.decode_mask.dtype != self.dtype:
+            meta.decode_mask = meta.decode_mask.to(self.dtype)
+        bd = self.batched_decode
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x = layer(x, cos, sin, kv_cache[i], meta, bd)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
