@@ -167,3 +167,17 @@ def test_closed_loop_turn_waits_for_previous_answer():
             assert sim.rec[i][0] >= prev[8] - 1e-9
             checked += 1
     assert checked > 10
+
+
+def test_gen_cli_writes_mooncake(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from cpd.sim.gen import generate
+    app = typer.Typer()
+    app.command()(generate)
+    out = tmp_path / "a.jsonl"
+    r = CliRunner().invoke(app, [str(out), "--qps", "2", "--duration-s", "60", "--seed", "4"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert rows and set(rows[0]) == {"timestamp", "input_length", "output_length", "hash_ids"}
