@@ -166,10 +166,10 @@ def test_concurrent_requests_warm_and_cold(cpd_dep, tiny_model_dir):
 def test_metrics_exposed(cpd_dep):
     complete(cpd_dep, _prompt(3, 50), 4)
     text = httpx.get(f"{cpd_dep.url}/metrics", timeout=5).text
-    for name in ("cpd_ttft_seconds_bucket", "cpd_prompt_tokens_total", "cpd_kv_bytes_total",
-                 "cpd_requests_total", "cpd_queue_time_seconds"):
+    for name in ("cpd_ttft_seconds_bucket{", "cpd_prompt_tokens_total{", 'cpd_kv_bytes_total{tier="handoff"}',
+                 'cpd_requests_total{outcome="ok"}', "cpd_queue_time_seconds_count{", "cpd_prefix_hits_total{"):
         assert name in text, name
-    assert 'cls="cold"' in text
+    assert 'cls="cold"' in text and 'source="computed"' in text
 
 
 def test_bad_input_keeps_serving(cpd_dep):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,6 +88,8 @@ class StepOutput:
             produced its first token; KV held until :meth:`Engine.release`), or None.
         num_cached_tokens_by_tier: on the request's first output only:
             ``{"L1": n, "L2": n, "L3": n}`` prompt tokens loaded instead of computed.
+        queue_s: on the first output only: seconds from ``add_request`` to the step that
+            first admitted the request (waiting time in this engine's queue).
     """
 
     request_id: str
@@ -94,12 +97,14 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens_by_tier: dict[str, int] | None = None
+    queue_s: float | None = None
 
 
 class _Req:
     __slots__ = ("id", "sampling", "mode", "max_l3_blocks", "write_through", "ns", "prompt_len", "tokens",
                  "num_output", "blocks", "num_computed", "hashes", "num_registered", "prepared",
-                 "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids")
+                 "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids",
+                 "added_at_s", "admitted_at_s")
 
     def __init__(self, rid: str, tokens: list[int], prompt_len: int, sampling: SamplingParams, mode: str,
                  ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int]):
@@ -123,6 +128,8 @@ class _Req:
         self.import_kv: torch.Tensor | None = None
         self.l3_next: int | None = None
         self.stop_ids = stop_ids
+        self.added_at_s = time.monotonic()
+        self.admitted_at_s: float | None = None
 
 
 class Engine:
@@ -644,6 +651,8 @@ class Engine:
                 for r in prepared:
                     if r.id in admitted:
                         r.import_kv = None
+                        if r.admitted_at_s is None:
+                            r.admitted_at_s = time.monotonic()
                         self._running.append(r)
                         self._write_through(r)
             if not plan.scheduled:
@@ -690,6 +699,7 @@ class Engine:
                 out = StepOutput(r.id, [tok], reason is not None, reason)
                 if not r.sent_first:
                     out.num_cached_tokens_by_tier = dict(r.cached_by_tier)
+                    out.queue_s = (r.admitted_at_s or r.added_at_s) - r.added_at_s
                     r.sent_first = True
                 outputs.append(out)
                 if reason is not None:

@@ -155,7 +155,7 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
     handoff = out.finish_reason == "handoff"
     resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
-            "queue_s": getattr(out, "queue_s", None), "handoff": None, "kv_bytes": 0,
+            "queue_s": out.queue_s, "compute_s": prefill_s - (out.queue_s or 0.0), "handoff": None, "kv_bytes": 0,
             "fallback": st.new_fallbacks(), "transfers": st.new_l3_transfers()}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
