@@ -165,3 +165,13 @@ def test_bad_rows_rejected(tmp_path):
     p.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1, 2]}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_mooncake(p)
+
+
+def test_max_output_tokens_caps_max_tokens_only():
+    from cpd.bench.trace import TraceRow, Vocab, build_requests
+    rows = [TraceRow(line=0, timestamp_ms=0, input_length=600, output_length=300, hash_ids=[0, 1]),
+            TraceRow(line=1, timestamp_ms=0, input_length=600, output_length=5, hash_ids=[0, 2])]
+    capped = build_requests(rows, Vocab(1000, ()), tokens_per_hash_id=16, max_output_tokens=32)
+    plain = build_requests(rows, Vocab(1000, ()), tokens_per_hash_id=16)
+    assert [r.max_tokens for r in capped] == [32, 5] and [r.max_tokens for r in plain] == [300, 5]
+    assert [r.block_lens for r in capped] == [r.block_lens for r in plain]

@@ -60,7 +60,8 @@ def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: in
 
 def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_hash_id: int = 512,
               time_scale: float = 1.0, max_requests: Optional[int] = None, start: int = 0, seed: int = 0,
-              max_prompt_tokens: Optional[int] = None, spread_ticks: bool = False,
+              max_prompt_tokens: Optional[int] = None, max_output_tokens: Optional[int] = None,
+              spread_ticks: bool = False,
               max_concurrency: Optional[int] = None, timeout_s: float = 600.0,
               slo_ttft_s: Optional[float] = None, slo_tpot_s: Optional[float] = None,
               out: Optional[Path] = None, plot: Optional[Path] = None, label: Optional[str] = None,
@@ -91,6 +92,7 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
         context_len = None  # --context-len 0: no context cap
     tcfg = TraceConfig(trace=str(trace), start=start, max_requests=max_requests, seed=seed,
                        tokens_per_hash_id=tokens_per_hash_id, max_prompt_tokens=max_prompt_tokens,
+                       max_output_tokens=max_output_tokens,
                        time_scale=time_scale, spread_ticks=spread_ticks, warm_threshold=warm_threshold,
                        context_len=context_len)
     reqs = load_requests(tcfg, vocab)
@@ -138,6 +140,8 @@ def _bench(
     seed: int = typer.Option(0, "--seed", min=0),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", min=1,
                                                     help="drop whole trailing blocks beyond this"),
+    max_output_tokens: Optional[int] = typer.Option(None, "--max-output-tokens", min=1,
+                                                    help="cap max_tokens below the trace's output_length"),
     spread_ticks: bool = typer.Option(False, "--spread-ticks/--bursty-ticks",
                                       help="spread each 3 s trace tick uniformly"),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1),
@@ -164,7 +168,8 @@ def _bench(
         raise typer.Exit(2)
     result = run_bench(url=url, trace=trace, model=model, tokens_per_hash_id=tokens_per_hash_id,
                        time_scale=time_scale, max_requests=max_requests, start=start, seed=seed,
-                       max_prompt_tokens=max_prompt_tokens, spread_ticks=spread_ticks,
+                       max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
+                       spread_ticks=spread_ticks,
                        max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
                        slo_tpot_s=slo_tpot_s, out=out, plot=plot, label=label, tokenizer=tokenizer,
                        vocab_size=vocab_size, special_ids=special_ids, warm_threshold=warm_threshold,

@@ -275,7 +275,8 @@ def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
                    tokens_per_hash_id: int = TRACE_BLOCK, max_prompt_tokens: int | None = None,
                    time_scale: float = 1.0, spread_ticks: bool = False,
                    tick_ms: float = DEFAULT_TICK_MS, warm_threshold: float = 0.5,
-                   context_len: int | None = None) -> list[BenchRequest]:
+                   context_len: int | None = None,
+                   max_output_tokens: int | None = None) -> list[BenchRequest]:
     """Turn trace rows into replayable requests (prompts, arrivals, reuse and trace class).
 
     ``max_prompt_tokens`` drops whole trailing blocks until the prompt fits; if even the first
@@ -283,6 +284,8 @@ def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
     ``context_len`` (the model's context, e.g. ``max_model_len``) additionally caps each prompt at
     ``context_len - output_length`` tokens (at least 1), the same way, so prompt plus output fits.
     Reuse is computed over the kept hash ids against all hash ids kept by earlier rows of ``rows``.
+    ``max_output_tokens`` caps ``max_tokens`` (default: the trace's ``output_length``) for runs
+    on small machines where decode, not prefill, would otherwise dominate; record it with results.
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError("max_prompt_tokens must be >= 1")
@@ -298,7 +301,7 @@ def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
         truncated = False
         cap = max_prompt_tokens
         if context_len is not None:
-            ctx_cap = max(1, context_len - row.output_length)
+            ctx_cap = max(1, context_len - _out_len(row, max_output_tokens))
             cap = ctx_cap if cap is None else min(cap, ctx_cap)
         if cap is not None and sum(lens) > cap:
             truncated = True
@@ -317,10 +320,14 @@ def build_requests(rows: Sequence[TraceRow], vocab: Vocab, *, seed: int = 0,
         seen.update(hids)
         out.append(BenchRequest(
             id=f"r{row.line}", line=row.line, arrival_s=arr, blocks=blocks,
-            max_tokens=row.output_length, hash_ids=hids, block_lens=lens,
+            max_tokens=_out_len(row, max_output_tokens), hash_ids=hids, block_lens=lens,
             input_length=row.input_length, reuse=reuse,
             trace_class="warm" if reuse >= warm_threshold else "cold", truncated=truncated))
     return out
+
+
+def _out_len(row: TraceRow, max_output_tokens: int | None) -> int:
+    return row.output_length if max_output_tokens is None else min(row.output_length, max_output_tokens)
 
 
 @dataclass
@@ -338,6 +345,7 @@ class TraceConfig:
     tick_ms: float = DEFAULT_TICK_MS
     warm_threshold: float = 0.5
     context_len: int | None = None
+    max_output_tokens: int | None = None
     vocab_size: int | None = None
     vocab_source: str | None = None
     n_special_ids: int = 0
@@ -351,7 +359,8 @@ def load_requests(cfg: TraceConfig, vocab: Vocab) -> list[BenchRequest]:
     return build_requests(rows, vocab, seed=cfg.seed, tokens_per_hash_id=cfg.tokens_per_hash_id,
                           max_prompt_tokens=cfg.max_prompt_tokens, time_scale=cfg.time_scale,
                           spread_ticks=cfg.spread_ticks, tick_ms=cfg.tick_ms,
-                          warm_threshold=cfg.warm_threshold, context_len=cfg.context_len)
+                          warm_threshold=cfg.warm_threshold, context_len=cfg.context_len,
+                          max_output_tokens=cfg.max_output_tokens)
 
 
 __all__ = ["TRACE_BLOCK", "DEFAULT_TICK_MS", "TraceRow", "BenchRequest", "Vocab", "BlockTokens",
