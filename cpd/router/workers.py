@@ -45,11 +45,16 @@ class WorkerInfo:
 
 
 class WorkerSet:
-    """All workers, with a background poller of ``/load``."""
+    """All workers, with a background poller of ``/load``. A worker is marked unhealthy after
+    ``max_poll_failures`` consecutive failed polls, or at once when a request to it fails."""
 
-    def __init__(self, workers: list[WorkerInfo], poll_interval_s: float = 0.5):
+    def __init__(self, workers: list[WorkerInfo], poll_interval_s: float = 0.5, poll_timeout_s: float = 5.0,
+                 max_poll_failures: int = 3):
         self.by_id = {w.worker_id: w for w in workers}
         self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self.max_poll_failures = max_poll_failures  # consecutive failed polls before "unhealthy"
+        self._poll_failures: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self.on_unhealthy = None  # callback(worker_id) -> None
         self.on_recovered = None  # callback(worker_id) -> None
@@ -66,15 +71,18 @@ class WorkerSet:
     async def poll_once(self, client: httpx.AsyncClient) -> None:
         async def one(w: WorkerInfo):
             try:
-                r = await client.get(f"{w.url}/load", timeout=2.0)
+                r = await client.get(f"{w.url}/load", timeout=self.poll_timeout_s)
                 r.raise_for_status()
                 w.last_load = r.json()
+                self._poll_failures[w.worker_id] = 0
                 w.kv_usage = float(w.last_load.get("kv_usage", 0.0))
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True
             except (httpx.HTTPError, ValueError):
-                self.mark_unhealthy(w.worker_id)
+                n = self._poll_failures[w.worker_id] = self._poll_failures.get(w.worker_id, 0) + 1
+                if n >= self.max_poll_failures:
+                    self.mark_unhealthy(w.worker_id)
         await asyncio.gather(*(one(w) for w in self.by_id.values()))
 
     async def run_poller(self, client: httpx.AsyncClient) -> None:

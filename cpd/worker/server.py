@@ -100,15 +100,19 @@ def build_app(st: WorkerState) -> FastAPI:
 
     @app.get("/kv_snapshot")
     async def kv_snapshot():
-        with st.runner.engine_lock:
-            snap = st.engine.cached_block_hashes()
-            seq = st.publisher.flush() if st.publisher else -1
+        def snapshot():
+            with st.runner.engine_lock:
+                snap = st.engine.cached_block_hashes()
+                return snap, st.publisher.flush() if st.publisher else -1
+        snap, seq = await asyncio.to_thread(snapshot)
         return {"seq": seq, "l1": snap.get("L1", []), "l2": snap.get("L2", [])}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        with st.runner.engine_lock:
-            st.engine.reset_prefix_cache()
+        def reset():
+            with st.runner.engine_lock:
+                st.engine.reset_prefix_cache()
+        await asyncio.to_thread(reset)
         return {"ok": True}
 
     @app.post("/prefill")
@@ -159,11 +163,14 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
             "fallback": st.new_fallbacks(), "transfers": st.new_l3_transfers()}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
-    with st.runner.engine_lock:
-        kv, token_ids = st.engine.export_kv(rid)
-        st.engine.release(rid)
-    arr = kv.detach().cpu().numpy() if hasattr(kv, "numpy") else kv
-    handle = st.sender.stage(rid, arr)
+    def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
+        with st.runner.engine_lock:
+            kv, token_ids = st.engine.export_kv(rid)
+            st.engine.release(rid)
+        arr = kv.detach().cpu().numpy() if hasattr(kv, "numpy") else kv
+        return arr, token_ids, st.sender.stage(rid, arr)
+
+    arr, token_ids, handle = await asyncio.to_thread(export_and_stage)
     handle["release_url"] = f"{_self_url(request)}/handoff/release"
     resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
     return resp
@@ -183,10 +190,13 @@ async def _decode(st: WorkerState, body: dict, request: Request):
     finally:
         asyncio.create_task(_release(st, handle, rid))
     import torch
-    with st.runner.engine_lock:
-        stream = st.runner.open_stream(rid)
-        st.engine.add_decode_request(rid, body["token_ids"], torch.from_numpy(kv), _sampling(body["sampling"]),
-                                     num_generated=int(body.get("num_generated", 1)))
+    stream = st.runner.open_stream(rid)
+
+    def add():
+        with st.runner.engine_lock:
+            st.engine.add_decode_request(rid, body["token_ids"], torch.from_numpy(kv), _sampling(body["sampling"]),
+                                         num_generated=int(body.get("num_generated", 1)))
+    await asyncio.to_thread(add)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request), media_type="application/x-ndjson")
 
