@@ -73,26 +73,20 @@ def demo(model: Optional[str] = typer.Option(None, help="HF Llama-family directo
     run_demo(model)
 
 
-def _mount_optional() -> None:
-    """Sub-commands built in their own packages (bench, simulator, analyzer)."""
-    try:
-        from cpd.bench.cli import app as bench_app
-        app.add_typer(bench_app, name="bench", help="Replay a trace against an OpenAI-compatible URL.")
-    except ImportError:
-        pass
-    try:
-        from cpd.sim.cli import simulate
-        app.command("simulate")(simulate)
-    except ImportError:
-        pass
-    try:
-        from cpd.analyze.cli import analyze
-        app.command("analyze")(analyze)
-    except ImportError:
-        pass
+def _mount_subcommands() -> None:
+    """Sub-commands built in their own packages (bench, simulator, analyzer, trace generator)."""
+    from cpd.analyze.cli import analyze
+    from cpd.bench.cli import app as bench_app
+    from cpd.sim.cli import simulate
+    from cpd.sim.gen import generate
+
+    app.add_typer(bench_app, name="bench", help="Replay a trace against an OpenAI-compatible URL.")
+    app.command("simulate")(simulate)
+    app.command("analyze")(analyze)
+    app.command("gen-trace")(generate)
 
 
-_mount_optional()
+_mount_subcommands()
 
 if __name__ == "__main__":
     app()
