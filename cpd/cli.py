@@ -52,7 +52,8 @@ def serve(
     dep.start()
     typer.echo(f"serving {dep.model_name} at {dep.url}/v1  (metrics {dep.url}/metrics, logs {dep.log_dir}); Ctrl-C stops")
     stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job starts with it ignored
+        signal.signal(sig, lambda *_: stop.update(flag=True))
     try:
         while not stop["flag"]:
             time.sleep(0.5)

@@ -61,6 +61,7 @@ class DeploymentConfig:
     max_num_seqs: int = 32
     torch_threads: int = 0  # 0 = cores / workers, at least 1
     max_in_flight: int = 256
+    max_decode_per_worker: int = 0  # 0 = 2 x max_num_seqs
     model_name: str = ""
     extra_env: dict = field(default_factory=dict)
 
@@ -154,6 +155,7 @@ class Deployment:
                 "model_name": self.cfg.model_name or w0["model_name"], "max_model_len": w0["max_model_len"],
                 "kv_bytes_per_token": w0["kv_bytes_per_token"], "topology": self.cfg.topology,
                 "cold_threshold": self.cfg.cold_threshold, "max_in_flight": self.cfg.max_in_flight,
+                "max_decode_per_worker": self.cfg.max_decode_per_worker or 2 * self.cfg.max_num_seqs,
                 "host": self.cfg.host, "port": self.port}
         path = Path(self._tmp) / "router.json"
         path.write_text(json.dumps(rcfg))

@@ -62,3 +62,19 @@ def redis_server(tmp_path):
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A small random-weight Llama that reuses the real SmolLM2 tokenizer."""
+    from cpd.engine.weights import make_tiny_llama_dir
+    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory):
+    """A real redis-server shared by one test module."""
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.stop()

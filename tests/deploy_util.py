@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import numpy as np
 
 from cpd.deploy import Deployment, DeploymentConfig
 
@@ -50,3 +51,16 @@ def complete(dep: Deployment, prompt_ids: list[int], max_tokens: int = 12, **ext
 
 def routing_record(dep: Deployment, request_id: str) -> dict:
     return httpx.get(f"{dep.url}/cpd/requests", timeout=5).json()[request_id]
+
+
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn (seeded) from the ordinary-token range of the SmolLM2 vocabulary."""
+    return [int(x) for x in np.random.default_rng(seed).integers(10, 40000, size=n)]
+
+
+def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of one plain in-process engine running the prompt alone (DESIGN §4 oracle)."""
+    from cpd.engine.engine import Engine
+    from cpd.engine.sampling import SamplingParams
+    return Engine(model_dir, num_blocks=64).generate(
+        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

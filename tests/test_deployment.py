@@ -11,32 +11,16 @@ import threading
 import time
 
 import httpx
-import numpy as np
 import pytest
 
-from deploy_util import assert_no_leaks, complete, routing_record, start
+from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    from cpd.engine.weights import make_tiny_llama_dir
-    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-llama", seed=0))
-
-
 @pytest.fixture(scope="module")
-def redis_l3(tmp_path_factory):
-    from conftest import RedisServer
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def cpd_dep(tiny_model_dir, redis_l3):
-    dep = start(tiny_model_dir, "cpd", kv_store=redis_l3.url)
+def cpd_dep(tiny_model_dir, module_redis):
+    dep = start(tiny_model_dir, "cpd", kv_store=module_redis.url)
     yield dep
     dep.stop()
 
@@ -56,16 +40,6 @@ def _no_leaks(request):
             assert_no_leaks(request.getfixturevalue(name))
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(10, 40000, size=n)]
-
-
-def _oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    from cpd.engine.engine import Engine
-    from cpd.engine.sampling import SamplingParams
-    eng = Engine(model_dir, num_blocks=64)
-    return list(eng.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
 
 
 def _tokens(resp: dict) -> list[int]:
@@ -73,8 +47,8 @@ def _tokens(resp: dict) -> list[int]:
 
 
 def test_oracle_every_path_same_tokens(cpd_dep, pd_dep, tiny_model_dir):
-    prompt = _prompt(1, 200)
-    expected = _oracle_tokens(tiny_model_dir, prompt)
+    prompt = random_prompt(1, 200)
+    expected = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
 
     cold = complete(cpd_dep, prompt, MAX_TOKENS)
     rec = routing_record(cpd_dep, cold["id"])
@@ -134,7 +108,7 @@ def test_openai_client_chat_and_completions(cpd_dep):
 
 
 def test_client_disconnect_mid_stream_frees_blocks(cpd_dep):
-    body = {"model": cpd_dep.model_name, "prompt": _prompt(7, 120), "max_tokens": 400, "ignore_eos": True,
+    body = {"model": cpd_dep.model_name, "prompt": random_prompt(7, 120), "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{cpd_dep.url}/v1/completions", json=body) as r:
@@ -148,7 +122,7 @@ def test_client_disconnect_mid_stream_frees_blocks(cpd_dep):
 
 
 def test_concurrent_requests_warm_and_cold(cpd_dep, tiny_model_dir):
-    prompts = [_prompt(100 + i, 90 + 7 * i) for i in range(6)]
+    prompts = [random_prompt(100 + i, 90 + 7 * i) for i in range(6)]
     results: dict[int, list[int]] = {}
 
     def run(i):
@@ -160,11 +134,11 @@ def test_concurrent_requests_warm_and_cold(cpd_dep, tiny_model_dir):
     for t in ts:
         t.join()
     for i in range(3):
-        assert results[i] == results[i + 3] == _oracle_tokens(tiny_model_dir, prompts[i])
+        assert results[i] == results[i + 3] == oracle_tokens(tiny_model_dir, prompts[i], MAX_TOKENS)
 
 
 def test_metrics_exposed(cpd_dep):
-    complete(cpd_dep, _prompt(3, 50), 4)
+    complete(cpd_dep, random_prompt(3, 50), 4)
     text = httpx.get(f"{cpd_dep.url}/metrics", timeout=5).text
     for name in ("cpd_ttft_seconds_bucket{", "cpd_prompt_tokens_total{", 'cpd_kv_bytes_total{tier="handoff"}',
                  'cpd_requests_total{outcome="ok"}', "cpd_queue_time_seconds_count{", "cpd_prefix_hits_total{"):
@@ -188,4 +162,4 @@ def test_bad_input_keeps_serving(cpd_dep):
             r = httpx.post(u, json=body, timeout=10)
         assert r.status_code == status, (body, r.text)
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
-    assert complete(cpd_dep, _prompt(5, 20), 3)["usage"]["completion_tokens"] == 3
+    assert complete(cpd_dep, random_prompt(5, 20), 3)["usage"]["completion_tokens"] == 3

@@ -9,33 +9,17 @@ import re
 import time
 
 import httpx
-import numpy as np
 import pytest
 import redis
 
-from deploy_util import assert_no_leaks, complete, routing_record, start
+from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from cpd.engine.weights import make_tiny_llama_dir
-    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-faults", seed=3))
-
-
-@pytest.fixture(scope="module")
-def rds(tmp_path_factory):
-    from conftest import RedisServer
-    srv = RedisServer(tmp_path_factory.mktemp("redis-faults"))
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def dep(tiny_dir, rds):
-    d = start(tiny_dir, "cpd", kv_store=rds.url)
+def dep(tiny_model_dir, module_redis):
+    d = start(tiny_model_dir, "cpd", kv_store=module_redis.url)
     yield d
     d.stop()
 
@@ -46,15 +30,6 @@ def _no_leaks(dep):
     assert_no_leaks(dep)
 
 
-def _prompt(seed: int, n: int = 160) -> list[int]:
-    return [int(x) for x in np.random.default_rng(seed).integers(10, 40000, size=n)]
-
-
-def _oracle(model_dir: str, prompt: list[int]) -> list[int]:
-    from cpd.engine.engine import Engine
-    from cpd.engine.sampling import SamplingParams
-    return Engine(model_dir, num_blocks=64).generate(
-        prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
 
 
 def _fallbacks(dep) -> dict[str, float]:
@@ -69,10 +44,10 @@ def _warm_up_l3(dep, prompt) -> None:
     time.sleep(0.3)
 
 
-def test_corrupted_l3_payload_is_recomputed(dep, rds, tiny_dir):
-    prompt = _prompt(11)
+def test_corrupted_l3_payload_is_recomputed(dep, module_redis, tiny_model_dir):
+    prompt = random_prompt(11, 160)
     _warm_up_l3(dep, prompt)
-    r = redis.Redis(port=rds.port)
+    r = redis.Redis(port=module_redis.port)
     keys = [k for k in r.keys("cpd:kv:*") if b"stage" not in k and b"meta" not in k]
     assert keys
     for k in keys:  # flip bytes in the middle of every stored payload
@@ -84,16 +59,16 @@ def test_corrupted_l3_payload_is_recomputed(dep, rds, tiny_dir):
     rec = routing_record(dep, out["id"])
     assert rec["load_plan"]["l3_blocks"] > 0  # the router believed L3 had it ...
     assert rec["cached_tokens_by_tier"].get("L3", 0) == 0  # ... the worker refused the corrupt blocks
-    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     assert _fallbacks(dep).get("corrupt", 0) > before
 
 
-def test_stale_index_block_gone_is_recomputed(dep, rds, tiny_dir):
-    prompt = _prompt(12)
+def test_stale_index_block_gone_is_recomputed(dep, module_redis, tiny_model_dir):
+    prompt = random_prompt(12, 160)
     _warm_up_l3(dep, prompt)
-    redis.Redis(port=rds.port).flushall()  # blocks vanish without any BlockRemoved event
+    redis.Redis(port=module_redis.port).flushall()  # blocks vanish without any BlockRemoved event
     out = complete(dep, prompt, MAX_TOKENS)
-    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     assert _fallbacks(dep).get("stale_index", 0) >= 1
     again = complete(dep, prompt, MAX_TOKENS)  # index corrected: L3 no longer promised
     rec = routing_record(dep, again["id"])
@@ -101,25 +76,25 @@ def test_stale_index_block_gone_is_recomputed(dep, rds, tiny_dir):
     assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
 
 
-def test_store_unreachable_falls_back_fast(dep, rds, tiny_dir):
-    prompt = _prompt(13)
+def test_store_unreachable_falls_back_fast(dep, module_redis, tiny_model_dir):
+    prompt = random_prompt(13, 160)
     _warm_up_l3(dep, prompt)
-    rds.stop()
+    module_redis.stop()
     try:
         t0 = time.time()
         out = complete(dep, prompt, MAX_TOKENS)
         assert time.time() - t0 < 30
-        assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
-        fresh = _prompt(14)  # a cold prompt whose write-through fails
-        assert complete(dep, fresh, MAX_TOKENS)["choices"][0]["token_ids"] == _oracle(tiny_dir, fresh)
+        assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
+        fresh = random_prompt(14, 160)  # a cold prompt whose write-through fails
+        assert complete(dep, fresh, MAX_TOKENS)["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, fresh, MAX_TOKENS)
         fb = _fallbacks(dep)
         assert fb.get("unavailable", 0) + fb.get("timeout", 0) > 0, fb
     finally:
-        rds.start()
+        module_redis.start()
 
 
-def test_prefill_worker_killed_request_retried_elsewhere(dep, tiny_dir):
-    prompt = _prompt(15)
+def test_prefill_worker_killed_request_retried_elsewhere(dep, tiny_model_dir):
+    prompt = random_prompt(15, 160)
     complete(dep, prompt, MAX_TOKENS)
     time.sleep(0.5)
     warm = complete(dep, prompt, MAX_TOKENS)
@@ -131,7 +106,7 @@ def test_prefill_worker_killed_request_retried_elsewhere(dep, tiny_dir):
     out = complete(dep, prompt, MAX_TOKENS)
     assert time.time() - t0 < 30
     assert routing_record(dep, out["id"])["prefill_worker"] == "pp0"
-    assert out["choices"][0]["token_ids"] == _oracle(tiny_dir, prompt)
+    assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     assert _fallbacks(dep).get("worker_unhealthy", 0) >= 1
     health = httpx.get(f"{dep.url}/health", timeout=5).json()
     assert health["workers"]["p0"] is False

@@ -9,7 +9,7 @@ import cpd.engine.scheduler
 import cpd.policy.routing
 import cpd.sim.simulator as simmod
 from cpd.engine.scheduler import SchedulerConfig
-from cpd.policy.cost_model import Efficiency, RooflineCostModel
+from cpd.policy.cost_model import RooflineCostModel
 from cpd.policy.routing import RoutingConfig
 from cpd.sim.cache import BlockLRU
 from cpd.sim.experiment import load_experiment, run_point

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpd.kv.events import BlockRemoved
-from cpd.store import StoreTimeout, StoreUnavailable, open_store, parse_size
+from cpd.store import StoreTimeout, open_store, parse_size
 from cpd.store.connector import L3Connector
 
 from conftest import RedisServer

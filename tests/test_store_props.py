@@ -8,7 +8,6 @@ value was fully written and no other write of that block is visible.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

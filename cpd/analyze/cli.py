@@ -19,10 +19,7 @@ Mountable: ``app.command("analyze")(analyze)``; also ``python -m cpd.analyze.cli
 from __future__ import annotations
 
 import copy
-import json
-import math
 from pathlib import Path
-from typing import Optional
 
 import typer
 

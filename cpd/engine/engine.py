@@ -659,7 +659,7 @@ class Engine:
                 self._update_load()
                 return outputs
             # allocate, build the flat batch
-            infos, input_ids, sample_rows, sched = [], [], [], []
+            infos, input_ids, sched = [], [], []
             for s in plan.scheduled:
                 r = by_id[s.request_id]
                 if s.num_new_blocks:

@@ -32,7 +32,7 @@ class Router:
 
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
-                 max_in_flight: int = 256):
+                 max_in_flight: int = 256, max_decode_per_worker: int = 64):
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
@@ -43,6 +43,7 @@ class Router:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_in_flight = max_in_flight
+        self.max_decode_per_worker = max_decode_per_worker
         self.subscriber: EventSubscriber | None = None
         self.client: httpx.AsyncClient | None = None
         self.backend: CPDBackend | None = None
@@ -100,7 +101,8 @@ class Router:
             await router.client.aclose()
 
         self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates, self.metrics,
-                                  client=None, max_in_flight=self.max_in_flight)
+                                  client=None, max_in_flight=self.max_in_flight,
+                                  max_decode_per_worker=self.max_decode_per_worker)
         app = create_app(self.backend, self.tokenizer_dir, self.model_name, self.max_model_len)
         app.router.lifespan_context = lifespan
 

@@ -17,6 +17,7 @@ retried once elsewhere; a decode failure ends the request with a clear error.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -42,7 +43,7 @@ class CPDBackend:
 
     def __init__(self, workers: WorkerSet, index: PrefixIndex, namespace: Namespace, cfg: RoutingConfig,
                  estimates: CostEstimates, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 max_in_flight: int = 256):
+                 max_in_flight: int = 256, max_decode_per_worker: int = 64):
         self.workers = workers
         self.index = index
         self.namespace = namespace
@@ -52,6 +53,10 @@ class CPDBackend:
         self.client = client
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        # Backpressure: at most this many requests handed to one decode worker at once; the rest
+        # wait here with their KV staged on the prefill side (bounded arena), so a slow decode
+        # pool cannot grow a decode worker's memory without limit.
+        self.decode_slots = {wid: asyncio.Semaphore(max_decode_per_worker) for wid in workers.by_id}
         self.recent: OrderedDict[str, dict] = OrderedDict()  # request_id -> routing record (last 1000)
 
     def decide(self, req: GenerationRequest) -> tuple[RouteDecision, list[int]]:
@@ -95,8 +100,12 @@ class CPDBackend:
         self._correct_stale_index(d, pre, hashes)
         cached = sum(pre["num_cached_tokens_by_tier"].values())
         self._remember(req, d, pre, ttft)
-        yield GenerationChunk(token_ids=pre["first_token_ids"], finish_reason=pre["finish_reason"],
-                              num_cached_tokens=min(cached, len(req.prompt_token_ids)))
+        try:
+            yield GenerationChunk(token_ids=pre["first_token_ids"], finish_reason=pre["finish_reason"],
+                                  num_cached_tokens=min(cached, len(req.prompt_token_ids)))
+        except GeneratorExit:  # gone before decode started: free the staged handoff now
+            self._release_handoff(pre)
+            raise
         if pre["finish_reason"] is not None:
             return
         n_out = len(pre["first_token_ids"])
@@ -106,6 +115,21 @@ class CPDBackend:
             yield chunk
         if n_out > 1:
             self.metrics.tpot_s.observe((time.monotonic() - t_first) / (n_out - 1))
+
+    def _release_handoff(self, pre: dict) -> None:
+        """Fire-and-forget release of a handoff nobody will fetch (the sender also reclaims
+        unreleased regions after a timeout)."""
+        handle = pre.get("handoff")
+        if not handle:
+            return
+
+        async def release():
+            try:
+                await self.client.post(handle["release_url"], json={"request_id": handle.get("request_id")},
+                                       timeout=5.0)
+            except httpx.HTTPError:
+                pass
+        asyncio.get_running_loop().create_task(release())
 
     async def _prefill_with_retry(self, req: GenerationRequest, d: RouteDecision, hashes: list[int]) -> dict:
         for attempt in range(2):
@@ -144,10 +168,12 @@ class CPDBackend:
     async def _decode(self, req: GenerationRequest, d: RouteDecision, pre: dict) -> AsyncIterator[GenerationChunk]:
         w = self.workers.by_id[d.decode_worker]
         body = {"request_id": req.request_id, "token_ids": pre["token_ids"], "sampling": _sampling_dict(req),
-                "handoff": pre["handoff"], "num_generated": len(pre["first_token_ids"])}
+                "handoff": pre["handoff"], "num_generated": len(pre["first_token_ids"]),
+                "cache_salt": req.cache_salt}
         w.running_requests += 1
         try:
-            async with self.client.stream("POST", f"{w.url}/decode", json=body, timeout=None) as r:
+            async with self.decode_slots[w.worker_id], \
+                    self.client.stream("POST", f"{w.url}/decode", json=body, timeout=None) as r:
                 if r.status_code != 200:
                     raise BackendError(f"decode worker {w.worker_id} error: {(await r.aread())[:200]!r}", 502,
                                        "server_error")

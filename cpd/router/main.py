@@ -21,7 +21,8 @@ def build_router(cfg: dict) -> Router:
     workers = [WorkerInfo(w["worker_id"], w["role"], w["url"], w["events_endpoint"]) for w in cfg["workers"]]
     return Router(workers, Namespace(**cfg["namespace"]), cfg["tokenizer_dir"], cfg["model_name"],
                   cfg["max_model_len"], cfg["kv_bytes_per_token"], topology=cfg.get("topology", "cpd"),
-                  cold_threshold=cfg.get("cold_threshold", 0.5), max_in_flight=cfg.get("max_in_flight", 256))
+                  cold_threshold=cfg.get("cold_threshold", 0.5), max_in_flight=cfg.get("max_in_flight", 256),
+                  max_decode_per_worker=cfg.get("max_decode_per_worker", 64))
 
 
 def main(argv=None) -> None:

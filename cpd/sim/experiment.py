@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.policy.cost_model import Efficiency, RooflineCostModel
-from cpd.policy.routing import ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, RoutingConfig
+from cpd.policy.routing import ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, LinearCostModel, RoutingConfig
 from cpd.sim.simulator import ClusterSpec, InstanceSpec, Simulator
 from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload, load_mooncake
 
@@ -76,7 +76,38 @@ def build_cluster(exp: dict, config: str, exact_decode: bool = False) -> Cluster
         insts.append(InstanceSpec(ROLE_DECODE, dcost, dsched, None, 0, False))
     rc = RoutingConfig(topology=cfg.get("topology", "cpd"), cold_threshold=exp.get("cold_threshold", 0.5),
                        block_size=bs)
-    return ClusterSpec(tuple(insts), rc, pcost, bs, l3, exp.get("kv_event_delay_s", 0.05), exact_decode)
+    return ClusterSpec(tuple(insts), rc, router_cost(exp, pcost), bs, l3, exp.get("kv_event_delay_s", 0.05),
+                       exact_decode)
+
+
+def router_cost(exp: dict, pcost: RooflineCostModel):
+    """The cost model the *router* sees (the instances' step times always use the roofline).
+
+    ``exp["router_cost"]``:
+
+    * ``"linear"`` (what the live router uses, ``cpd.router.estimates``): a
+      :class:`~cpd.policy.routing.LinearCostModel` with ``attn_coeff = 0``, whose prefill rate
+      is the roofline rate of a typical warm turn (``workload.turn_suffix`` new tokens on
+      ``workload.first_context`` cached, i.e. what the live EWMA of computed tokens / compute
+      time converges to on a mostly-warm mix) and whose L2 / L3 bandwidths and overheads are
+      the roofline links'. Queued tokens are then worth ``tokens / rate``.
+    * ``"roofline"``: the roofline itself. Note that the policy prices a worker's queue as
+      ``prefill_time_s(queued_tokens, 0)``, i.e. as *one* sequence, so the attention term makes
+      two queued 100 K-token prefills look ≈1.6x as long as they take; the router then
+      prefers recomputing a warm prefix elsewhere more often than the live router would.
+    """
+    kind = exp.get("router_cost", "roofline")
+    if kind == "roofline":
+        return pcost
+    if kind != "linear":
+        raise ValueError(f"unknown router_cost {kind!r}")
+    w = exp.get("workload", {})
+    new = int(w.get("turn_suffix", 2000))
+    cached = int(w.get("first_context", 100_000))
+    rate = new / pcost.prefill_time_s(new, cached)
+    return LinearCostModel(kv_bytes_per_token=pcost.kv_bytes_per_token, prefill_tokens_per_s=rate, attn_coeff=0.0,
+                           l2_bytes_per_s=pcost.link_bytes_per_s("L2"), l3_bytes_per_s=pcost.link_bytes_per_s("L3"),
+                           l2_overhead_s=pcost.link_latency_s("L2"), l3_overhead_s=pcost.link_latency_s("L3"))
 
 
 def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cpd.engine import scheduler as _scheduler
 from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for
 from cpd.policy import routing as _routing
-from cpd.policy.routing import (ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, PrefixMatch, RoutingConfig,
+from cpd.policy.routing import (ROLE_DECODE, PrefixMatch, RoutingConfig,
                                 WorkerLoad)
 from cpd.policy.cost_model import RooflineCostModel
 from cpd.sim.cache import BlockLRU, leading_in

@@ -384,7 +384,7 @@ class HandoffReceiver:
         self._maps: dict[str, mmap.mmap] = {}
         self._socks: dict[tuple[str, int], socket.socket] = {}
         self._lock = threading.Lock()
-        self._st = {"fetched_shm": 0, "fetched_tcp": 0, "bytes_fetched": 0}
+        self._st = {"fetched_shm": 0, "fetched_tcp": 0, "viewed_shm": 0, "bytes_fetched": 0}
 
     def path_for(self, handle: dict) -> str:
         """``"shm"`` or ``"tcp"``: the path :meth:`fetch` will take for this handle."""
@@ -432,6 +432,32 @@ class HandoffReceiver:
             self._st[kind] += 1
             self._st["bytes_fetched"] += nbytes
         return out
+
+    def view(self, handle: dict) -> np.ndarray:
+        """Zero-copy, read-only view of a staged array when it lies in a shared-memory arena
+        on this host; otherwise (TCP path) a fetched copy. The view is valid only until the
+        sender's region is released: release it after the data has been consumed.
+
+        Raises:
+            HandoffError: as :meth:`fetch`.
+        """
+        if self.path_for(handle) != "shm":
+            return self.fetch(handle)
+        try:
+            dtype, shape, nbytes = np.dtype(handle["dtype"]), tuple(handle["shape"]), int(handle["nbytes"])
+            mm = self._map(handle["name"])
+            off = int(handle["offset"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise HandoffError(f"bad handle: {e}") from None
+        except OSError as e:
+            raise HandoffError(f"cannot map arena {handle.get('name')!r}: {e}") from e
+        if off < 0 or off + nbytes > len(mm) or int(np.prod(shape)) * dtype.itemsize != nbytes:
+            raise HandoffError("handle outside the arena or inconsistent with dtype/shape")
+        arr = np.frombuffer(mm, dtype=dtype, count=int(np.prod(shape)), offset=off).reshape(shape)
+        with self._lock:
+            self._st["viewed_shm"] += 1
+            self._st["bytes_fetched"] += nbytes
+        return arr
 
     def _map(self, path: str) -> mmap.mmap:
         with self._lock:

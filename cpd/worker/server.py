@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import warnings
 from typing import Any
 
 import httpx
@@ -171,6 +172,8 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
         return arr, token_ids, st.sender.stage(rid, arr)
 
     arr, token_ids, handle = await asyncio.to_thread(export_and_stage)
+    if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
+        st.sender.release(rid)
     handle["release_url"] = f"{_self_url(request)}/handoff/release"
     resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
     return resp
@@ -183,22 +186,30 @@ def _self_url(request: Request) -> str:
 async def _decode(st: WorkerState, body: dict, request: Request):
     rid = body["request_id"]
     handle = body["handoff"]
-    try:
-        kv = await asyncio.to_thread(st.receiver.fetch, handle)
+    try:  # same host: a zero-copy view of the sender's arena, copied once into our KV pool
+        kv = await asyncio.to_thread(st.receiver.view, handle)
     except Exception as e:  # sender gone or handle stale: the router fails fast / retries
-        return JSONResponse({"error": f"handoff fetch failed: {e!r}"}, status_code=502)
-    finally:
         asyncio.create_task(_release(st, handle, rid))
-    import torch
+        return JSONResponse({"error": f"handoff fetch failed: {e!r}"}, status_code=502)
     stream = st.runner.open_stream(rid)
 
     def add():
+        import torch
+        with warnings.catch_warnings():  # the arena view is read-only; the engine only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            kv_t = torch.from_numpy(kv)
         with st.runner.engine_lock:
-            st.engine.add_decode_request(rid, body["token_ids"], torch.from_numpy(kv), _sampling(body["sampling"]),
-                                         num_generated=int(body.get("num_generated", 1)))
-    await asyncio.to_thread(add)
+            st.engine.add_decode_request(rid, body["token_ids"], kv_t, _sampling(body["sampling"]),
+                                         num_generated=int(body.get("num_generated", 1)),
+                                         cache_salt=body.get("cache_salt"))
+    try:
+        await asyncio.to_thread(add)
+    except ValueError as e:
+        st.runner.close_stream(rid)
+        asyncio.create_task(_release(st, handle, rid))
+        return JSONResponse({"error": f"bad decode request: {e}"}, status_code=400)
     st.runner.wake()
-    return StreamingResponse(_decode_stream(st, rid, stream, request), media_type="application/x-ndjson")
+    return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
 
 
 async def _release(st: WorkerState, handle: dict, rid: str) -> None:
@@ -208,12 +219,17 @@ async def _release(st: WorkerState, handle: dict, rid: str) -> None:
         pass  # the sender reclaims unreleased regions after a timeout
 
 
-async def _decode_stream(st: WorkerState, rid: str, stream, request: Request):
-    finished = False
+async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, handle: dict):
+    """Relay engine outputs as NDJSON. The sender's staging region is released once the
+    engine has copied the KV in (it has by the first output) or when the request ends."""
+    finished = released = False
     try:
         while not finished:
             out = await _next_output(stream, request)
             finished = out.finished
+            if not released:
+                released = True
+                asyncio.create_task(_release(st, handle, rid))
             yield json.dumps({"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason}) + "\n"
     except RuntimeError as e:
         yield json.dumps({"error": str(e)}) + "\n"
@@ -221,3 +237,5 @@ async def _decode_stream(st: WorkerState, rid: str, stream, request: Request):
         if not finished:
             st.runner.abort(rid)
         st.runner.close_stream(rid)
+        if not released:  # aborted before admission: the engine drops the view with the request
+            asyncio.create_task(_release(st, handle, rid))
