@@ -1,0 +1,67 @@
+"""The pure routing policy (cpd.policy.routing): decisions as functions of snapshots."""
+from __future__ import annotations
+
+import pytest
+
+from cpd.policy.routing import (LinearCostModel, NoWorkerError, PrefixMatch, RoutingConfig, WorkerLoad, plan_loads,
+                                route)
+
+BS = 16
+COST = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0, l2_bytes_per_s=1e10,
+                       l3_bytes_per_s=1e9, l3_overhead_s=1e-3)
+
+
+def _workers(**queued) -> list[WorkerLoad]:
+    return [WorkerLoad("pp0", "pre-prefill", queued.get("pp0", 0)), WorkerLoad("p0", "prefill", queued.get("p0", 0)),
+            WorkerLoad("p1", "prefill", queued.get("p1", 0)), WorkerLoad("d0", "decode", running_requests=3),
+            WorkerLoad("d1", "decode", running_requests=1)]
+
+
+def test_cold_goes_to_pre_prefill_warm_to_prefill():
+    cfg = RoutingConfig(topology="cpd", block_size=BS)
+    cold = route(320, PrefixMatch(l3=2), _workers(), cfg, COST)
+    assert (cold.request_class, cold.pool, cold.prefill_worker, cold.decode_worker) == ("cold", "pre-prefill", "pp0", "d1")
+    warm = route(320, PrefixMatch(l3=15), _workers(), cfg, COST)
+    assert (warm.request_class, warm.pool) == ("warm", "prefill")
+    assert warm.load_plan.l3_blocks == 15 and warm.reuse_ratio == pytest.approx(15 * BS / 320)
+
+
+def test_pd_topology_sends_everything_to_prefill_and_prefers_cache_holder():
+    cfg = RoutingConfig(topology="pd", block_size=BS)
+    d = route(320, PrefixMatch(l1={"p1": 18}), _workers(), cfg, COST)
+    assert d.pool == "prefill" and d.prefill_worker == "p1" and d.load_plan.l1_blocks == 18
+    cold = route(320, PrefixMatch(), _workers(p0=5000), cfg, COST)
+    assert cold.pool == "prefill" and cold.prefill_worker == "p1"  # least loaded
+
+
+def test_busy_cache_holder_loses_to_idle_worker_when_recompute_is_cheaper():
+    cfg = RoutingConfig(topology="pd", block_size=BS)
+    d = route(320, PrefixMatch(l1={"p0": 4}), _workers(p0=100_000), cfg, COST)
+    assert d.prefill_worker == "p1"
+
+
+def test_load_vs_recompute_cuts_a_slow_tier():
+    cfg = RoutingConfig(block_size=BS)
+    slow_l3 = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e6, l3_bytes_per_s=1e6)
+    plan, reasons = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, slow_l3)
+    assert (plan.l1_blocks, plan.l3_blocks) == (2, 0) and reasons == ["recompute-L3:8blk"]
+    plan, reasons = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, COST)
+    assert (plan.l1_blocks, plan.l3_blocks) == (2, 8) and reasons == []
+
+
+def test_tiers_combine_and_last_token_is_always_computed():
+    cfg = RoutingConfig(block_size=BS)
+    plan, _ = plan_loads("p0", PrefixMatch(l1={"p0": 3}, l2={"p0": 5}, l3=20), 160, cfg, COST)
+    assert (plan.l1_blocks, plan.l2_blocks, plan.l3_blocks) == (3, 2, 4)  # capped at (160-1)//16 = 9 blocks
+
+
+def test_fallbacks_and_errors():
+    cfg = RoutingConfig(topology="cpd", block_size=BS)
+    no_pre = [w for w in _workers() if w.role != "pre-prefill"]
+    d = route(320, PrefixMatch(), no_pre, cfg, COST)
+    assert d.pool == "prefill" and "fallback:no-pre-prefill" in d.reasons
+    with pytest.raises(NoWorkerError):
+        route(320, PrefixMatch(), [WorkerLoad("d0", "decode")], cfg, COST)
+    unhealthy = [WorkerLoad(w.worker_id, w.role, healthy=w.role == "decode") for w in _workers()]
+    with pytest.raises(NoWorkerError):
+        route(320, PrefixMatch(), unhealthy, cfg, COST)
