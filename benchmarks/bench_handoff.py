@@ -1,9 +1,14 @@
 """Same-host KV handoff bandwidth vs a plain numpy memcpy of the same bytes.
 
 The sender (this process) stages a KV array into its shared-memory arena; a receiver in a
-second process fetches it (copy out) and reports its fetch time. Handoff bandwidth =
-bytes / (stage time + fetch time) — two copies, so about half of memcpy is the ceiling. The
-TCP path (loopback) is measured the same way for reference.
+second process takes it and reports its time. Three receiver modes:
+
+* ``fetch``: copy out into a preallocated buffer — bytes / (stage + fetch), two copies, so
+  about half of memcpy is the ceiling;
+* ``view``: what the decode worker does — a zero-copy view of the arena that the engine then
+  copies straight into its KV pool (a copy it needs in any design); bytes / (stage + view), one
+  copy;
+* ``tcp``: the cross-host path over loopback, for reference.
 
 Usage: python benchmarks/bench_handoff.py [--mb 32] [--n 20]
 """
@@ -27,6 +32,7 @@ _RECEIVER = r"""
 import json, sys, time, numpy as np
 from cpd.worker.handoff import HandoffReceiver
 r = HandoffReceiver(force_tcp=sys.argv[1] == "tcp")
+mode = sys.argv[1]
 out = None
 for line in sys.stdin:
     h = json.loads(line)
@@ -34,7 +40,10 @@ for line in sys.stdin:
         out = np.empty(h["shape"], dtype=h["dtype"])
         out.fill(0)  # pre-fault the destination once, as a decode worker's buffer would be
     t0 = time.perf_counter()
-    r.fetch(h, out=out)
+    if mode == "view":
+        v = r.view(h)
+    else:
+        r.fetch(h, out=out)
     print(json.dumps({"fetch_s": time.perf_counter() - t0, "path": r.path_for(h)}), flush=True)
 """
 
@@ -78,10 +87,12 @@ def main() -> None:
         best = min(best, time.perf_counter() - t0)
     memcpy = kv.nbytes / best / 1e9
     shm, p1 = run("auto", kv, a.n)
+    view, _ = run("view", kv, a.n)
     tcp, p2 = run("tcp", kv, max(3, a.n // 4))
     print(f"KV array {kv.shape} float32 = {kv.nbytes / 1e6:.1f} MB, best of {a.n}")
     print(f"numpy memcpy            : {memcpy:6.2f} GB/s")
     print(f"handoff {p1:3s} (stage+fetch): {shm:6.2f} GB/s   ratio to memcpy {shm / memcpy:.2f}")
+    print(f"handoff shm (stage+view) : {view:6.2f} GB/s   ratio to memcpy {view / memcpy:.2f}")
     print(f"handoff {p2:3s} (stage+fetch): {tcp:6.2f} GB/s   ratio to memcpy {tcp / memcpy:.2f}")
 
 
