@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -78,3 +79,54 @@ def module_redis(tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+class DelayProxy:
+    """A TCP proxy in front of a server whose forwarding can be delayed (a slow store)."""
+
+    def __init__(self, port: int):
+        self.upstream = port
+        self.delay_s = 0.0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                c.close()
+                continue
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a, b):
+        try:
+            while True:
+                d = a.recv(1 << 16)
+                if not d:
+                    break
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                b.sendall(d)
+        except OSError:
+            pass
+        finally:
+            for x in (a, b):
+                try:
+                    x.close()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.closed = True
+        self.sock.close()

@@ -12,14 +12,23 @@ import httpx
 import pytest
 import redis
 
+from conftest import DelayProxy
 from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def dep(tiny_model_dir, module_redis):
-    d = start(tiny_model_dir, "cpd", kv_store=module_redis.url)
+def store_proxy(module_redis):
+    """Workers reach Redis through this proxy, so a test can make the store slow."""
+    p = DelayProxy(module_redis.port)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model_dir, store_proxy):
+    d = start(tiny_model_dir, "cpd", kv_store=f"redis://127.0.0.1:{store_proxy.port}?timeout_s=0.5")
     yield d
     d.stop()
 
@@ -74,6 +83,22 @@ def test_stale_index_block_gone_is_recomputed(dep, module_redis, tiny_model_dir)
     rec = routing_record(dep, again["id"])
     assert rec["load_plan"]["l3_blocks"] == 0 and rec["load_plan"]["l1_blocks"] > 0  # now from the L1 it computed
     assert again["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
+
+
+def test_slow_store_times_out_and_recomputes(dep, store_proxy, tiny_model_dir):
+    prompt = random_prompt(16, 160)
+    _warm_up_l3(dep, prompt)
+    store_proxy.delay_s = 2.0  # every store round trip now takes longer than the 0.5 s timeout
+    try:
+        t0 = time.time()
+        out = complete(dep, prompt, MAX_TOKENS)
+        assert time.time() - t0 < 20
+        assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
+        assert routing_record(dep, out["id"])["cached_tokens_by_tier"].get("L3", 0) == 0
+        assert _fallbacks(dep).get("timeout", 0) >= 1
+    finally:
+        store_proxy.delay_s = 0.0
+        time.sleep(2.5)  # let delayed bytes drain
 
 
 def test_store_unreachable_falls_back_fast(dep, module_redis, tiny_model_dir):

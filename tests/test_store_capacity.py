@@ -3,8 +3,6 @@ events, chunked batches in one round trip, and store faults (slow store, restart
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 
 import numpy as np
@@ -14,7 +12,7 @@ from cpd.kv.events import BlockRemoved
 from cpd.store import StoreTimeout, open_store, parse_size
 from cpd.store.connector import L3Connector
 
-from conftest import RedisServer
+from conftest import DelayProxy, RedisServer
 
 SHAPE = (2, 2, 16, 2, 8)
 
@@ -129,57 +127,6 @@ def test_many_chunks_one_round_trip(redis_server):
     # connections opened: the pool reuses one connection for all of this
     assert int(s.r.info("clients")["connected_clients"]) == 1
     s.close()
-
-
-class DelayProxy:
-    """A TCP proxy in front of a server whose forwarding can be delayed (a slow store)."""
-
-    def __init__(self, port: int):
-        self.upstream = port
-        self.delay_s = 0.0
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.closed:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            try:
-                u = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:
-                c.close()
-                continue
-            for a, b in ((c, u), (u, c)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, a, b):
-        try:
-            while True:
-                d = a.recv(1 << 16)
-                if not d:
-                    break
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-                b.sendall(d)
-        except OSError:
-            pass
-        finally:
-            for x in (a, b):
-                try:
-                    x.close()
-                except OSError:
-                    pass
-
-    def close(self):
-        self.closed = True
-        self.sock.close()
 
 
 def test_slow_store_times_out_and_connector_falls_back(redis_server):
