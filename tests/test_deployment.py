@@ -144,6 +144,9 @@ def test_metrics_exposed(cpd_dep):
                  'cpd_requests_total{outcome="ok"}', "cpd_queue_time_seconds_count{", "cpd_prefix_hits_total{"):
         assert name in text, name
     assert 'cls="cold"' in text and 'source="computed"' in text
+    l3_bw = [float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith('cpd_cost_model_bandwidth_bytes_per_second{tier="L3"}')]
+    assert l3_bw and l3_bw[0] != 1e9  # moved off its default by measured L3 loads (oracle test ran first)
 
 
 def test_bad_input_keeps_serving(cpd_dep):

@@ -184,6 +184,8 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.Lock()
+        self.l2_load_bytes = 0  # L2 -> L1 promotions, for measured-bandwidth estimates
+        self.l2_load_seconds = 0.0
         self._live_ids: set[str] = set()
         self._pending_outputs: list[StepOutput] = []
         self._pending_prefill_tokens = 0
@@ -502,12 +504,15 @@ class Engine:
                     self.host_pool.touch(h)  # mark MRU so our own L1 evictions don't push them out
                 new = self.pool.allocate(m)
                 m2 = self.host_pool.match(hashes[k:k + m])
+                t0 = time.perf_counter()
                 for j in range(m2):
                     h = hashes[k + j]
                     self.pool.block_view(new[j]).copy_(self.host_pool.get(h))
                     i = k + j
                     self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
                     r.loaded_tier.setdefault(h, "L2")
+                self.l2_load_seconds += time.perf_counter() - t0
+                self.l2_load_bytes += m2 * self.block_bytes
                 if m2 < m:
                     self.pool.release(new[m2:])
                 r.blocks.extend(new[:m2])

@@ -239,6 +239,10 @@ class CPDBackend:
             for kind, n in pre["fallback"].items():
                 m.fallbacks.labels(kind).inc(n)
         self.estimates.observe_prefill(computed, loaded, pre.get("compute_s") or pre["prefill_s"])
+        cm = self.estimates.model()
+        m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
+        m.cost_bandwidth.labels("L2").set(cm.l2_bytes_per_s)
+        m.cost_bandwidth.labels("L3").set(cm.l3_bytes_per_s)
 
 
 def _sampling_dict(req: GenerationRequest) -> dict:

@@ -30,6 +30,11 @@ class RouterMetrics:
         self.load_decisions = Counter("cpd_load_vs_recompute_total",
                                       "Policy choices to recompute a cached segment instead of loading it",
                                       ["tier"], registry=r)
+        self.cost_bandwidth = Gauge("cpd_cost_model_bandwidth_bytes_per_second",
+                                    "Measured (EWMA) load bandwidth per tier used by load-vs-recompute",
+                                    ["tier"], registry=r)
+        self.cost_prefill_rate = Gauge("cpd_cost_model_prefill_tokens_per_second",
+                                       "Measured (EWMA) prefill rate used by the cost model", registry=r)
         self.in_flight = Gauge("cpd_requests_in_flight", "Requests in flight", registry=r)
         self.index_blocks = Gauge("cpd_index_blocks", "Blocks in the router's prefix index", ["tier"], registry=r)
 

@@ -49,7 +49,7 @@ class WorkerState:
         self.connector = connector
         self.http = httpx.AsyncClient(timeout=10.0)
         self._fallbacks_reported: dict[str, int] = {}
-        self._l3_reported = (0, 0.0)
+        self._transfers_reported: dict[str, tuple[int, float]] = {}
 
     def new_fallbacks(self) -> dict[str, int]:
         """Connector fallbacks (by kind) since the last call — the router sums them, so
@@ -59,14 +59,19 @@ class WorkerState:
         self._fallbacks_reported = now
         return {k: v for k, v in delta.items() if v > 0}
 
-    def new_l3_transfers(self) -> dict[str, list]:
-        """L3 bytes loaded and seconds spent since the last call: ``{"L3": [bytes, s]}``."""
-        if self.connector is None:
-            return {}
-        now = (self.connector.load_bytes, self.connector.load_seconds)
-        delta = (now[0] - self._l3_reported[0], now[1] - self._l3_reported[1])
-        self._l3_reported = now
-        return {"L3": [delta[0], delta[1]]} if delta[0] > 0 else {}
+    def new_transfers(self) -> dict[str, list]:
+        """Bytes loaded and seconds spent per tier since the last call: ``{"L2": [bytes, s],
+        "L3": [bytes, s]}`` (L2 = host-pool promotions, L3 = store loads)."""
+        now = {"L2": (self.engine.l2_load_bytes, self.engine.l2_load_seconds)}
+        if self.connector is not None:
+            now["L3"] = (self.connector.load_bytes, self.connector.load_seconds)
+        out = {}
+        for tier, (b, t) in now.items():
+            b0, t0 = self._transfers_reported.get(tier, (0, 0.0))
+            if b > b0:
+                out[tier] = [b - b0, t - t0]
+        self._transfers_reported = now
+        return out
 
 
 async def _next_output(stream, request: Request):
@@ -138,32 +143,45 @@ def build_app(st: WorkerState) -> FastAPI:
 
 
 async def _prefill(st: WorkerState, body: dict, request: Request):
+    """Run the prompt to its first token and stage its KV. Whatever goes wrong after the
+    request entered the engine (client gone, engine error, bug), it is aborted and its staged
+    KV released, so no block outlives the call."""
     from cpd.engine.engine import EngineRequest
     rid = body["request_id"]
     t0 = time.monotonic()
-    ereq = EngineRequest(request_id=rid, prompt_token_ids=body["prompt_token_ids"],
-                         sampling=_sampling(body["sampling"]), cache_salt=body.get("cache_salt"),
-                         mode="prefill", max_l3_blocks=body.get("max_l3_blocks"),
-                         write_through=bool(body.get("write_through", False)))
-    stream = st.runner.submit(ereq)
     try:
-        out = await _next_output(stream, request)
-    except (ConnectionAbortedError, asyncio.CancelledError):
+        ereq = EngineRequest(request_id=rid, prompt_token_ids=body["prompt_token_ids"],
+                             sampling=_sampling(body["sampling"]), cache_salt=body.get("cache_salt"),
+                             mode="prefill", max_l3_blocks=body.get("max_l3_blocks"),
+                             write_through=bool(body.get("write_through", False)))
+        stream = st.runner.submit(ereq)
+    except (KeyError, TypeError, ValueError) as e:
+        return JSONResponse({"error": f"bad prefill request: {e!r}"}, status_code=400)
+    try:
+        return await _prefill_and_stage(st, rid, stream, request, t0)
+    except RuntimeError as e:  # the engine failed this step
         st.runner.abort(rid)
-        raise
-    except RuntimeError as e:
-        st.runner.abort(rid)
+        st.sender.release(rid)
         return JSONResponse({"error": str(e)}, status_code=500)
+    except BaseException:
+        st.runner.abort(rid)
+        st.sender.release(rid)
+        raise
     finally:
         st.runner.close_stream(rid)
+
+
+async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request, t0: float) -> dict:
+    out = await _next_output(stream, request)
     prefill_s = time.monotonic() - t0
     handoff = out.finish_reason == "handoff"
     resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
             "queue_s": out.queue_s, "compute_s": prefill_s - (out.queue_s or 0.0), "handoff": None, "kv_bytes": 0,
-            "fallback": st.new_fallbacks(), "transfers": st.new_l3_transfers()}
+            "fallback": st.new_fallbacks(), "transfers": st.new_transfers()}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
+
     def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
         with st.runner.engine_lock:
             kv, token_ids = st.engine.export_kv(rid)
