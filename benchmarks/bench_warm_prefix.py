@@ -31,7 +31,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--store", default="")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 = as each worker runs here)")
     a = ap.parse_args()
+    import torch
+    torch.set_num_threads(a.threads)
     tmp = None
     url = a.store
     if not url:
