@@ -62,6 +62,7 @@ class DeploymentConfig:
     torch_threads: int = 0  # 0 = cores / workers, at least 1
     max_in_flight: int = 256
     max_decode_per_worker: int = 0  # 0 = 2 x max_num_seqs
+    handoff_force_tcp: bool = False  # use the cross-host (TCP) handoff path even on one host
     model_name: str = ""
     extra_env: dict = field(default_factory=dict)
 
@@ -136,6 +137,8 @@ class Deployment:
                     "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens),
                     "--max-prefill-chunk-tokens", str(self.cfg.max_prefill_chunk_tokens),
                     "--max-num-seqs", str(self.cfg.max_num_seqs), "--torch-threads", str(threads)]
+            if self.cfg.handoff_force_tcp:
+                args.append("--handoff-force-tcp")
             pending.append((wid, self._spawn(args, wid)))
         for wid, p in pending:
             info = _wait_ready(p, timeout_s, self.log_dir / f"{wid}.log")

@@ -27,7 +27,7 @@ def cpd_dep(tiny_model_dir, module_redis):
 
 @pytest.fixture(scope="module")
 def pd_dep(tiny_model_dir):
-    dep = start(tiny_model_dir, "pd")
+    dep = start(tiny_model_dir, "pd", handoff_force_tcp=True)  # also covers the cross-host handoff path
     yield dep
     dep.stop()
 
@@ -79,6 +79,8 @@ def test_oracle_every_path_same_tokens(cpd_dep, pd_dep, tiny_model_dir):
     assert _tokens(after_reset) == expected
 
     assert _tokens(complete(pd_dep, prompt, MAX_TOKENS)) == expected
+    d0 = next(w for w in pd_dep.workers if w["role"] == "decode")
+    assert httpx.get(f"{d0['url']}/load", timeout=5).json()["handoff_received"]["fetched_tcp"] >= 1
 
 
 def test_openai_client_chat_and_completions(cpd_dep):

@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-prefill-chunk-tokens", type=int, default=512)
     p.add_argument("--handoff-arena-bytes", type=int, default=256 << 20)
+    p.add_argument("--handoff-force-tcp", action="store_true",
+                   help="decode side: fetch KV over TCP even from a same-host sender (the cross-host path)")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch default")
     return p.parse_args(argv)
 
@@ -64,7 +66,7 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
     if a.role == "decode":
-        receiver = HandoffReceiver()
+        receiver = HandoffReceiver(force_tcp=a.handoff_force_tcp)
     else:
         sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, bind_host=a.host)
     runner = EngineRunner(engine, publisher)

@@ -102,6 +102,7 @@ def build_app(st: WorkerState) -> FastAPI:
     async def load():
         return {"role": st.role, "worker_id": st.worker_id, **st.engine.load_stats(),
                 "pool": st.engine.pool_stats(), "handoff": st.sender.stats() if st.sender else None,
+                "handoff_received": st.receiver.stats() if st.receiver else None,
                 "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {})}
 
     @app.get("/kv_snapshot")
