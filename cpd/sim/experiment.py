@@ -3,7 +3,7 @@
 Experiment file (JSON), see ``cpd/sim/experiments/reference_b200.json``::
 
     {"name", "model", "gpu", "kv_dtype_bytes", "weight_bytes_per_param", "efficiency": {...},
-     "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold",
+     "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold", "router_cost": "linear" | "roofline",
      "prefill": {"tp", "max_num_batched_tokens", "max_prefill_chunk_tokens", "max_num_seqs", "l2_bytes"},
      "decode":  {"tp", "ranks_per_node", "max_num_seqs"},
      "configs": {"2P1D": {"topology": "pd", "pre_prefill": 0, "prefill": 2, "decode": 1}, ...},
@@ -155,6 +155,8 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
     ttft, ttft_w, ttft_c, tpot = [], [], [], []
     done_first = 0
     qpool: dict[str, list[float]] = {}
+    qwarm: list[float] = []
+    qcold: list[float] = []
     hit = {"L1": 0, "L2": 0, "L3": 0}
     prompt = 0
     stale = 0
@@ -179,6 +181,7 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
             tpot.append((rec[8] - rec[7]) / (r.output_tokens - 1))
         if rec[9] is not None:
             qpool.setdefault(rec[2], []).append(rec[9])
+            (qwarm if rec[1] == "warm" else qcold).append(rec[9])
         if rec[10] is not None:
             qpool.setdefault("decode", []).append(rec[10])
     span = t1 - t0
@@ -201,6 +204,10 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
         "hit_ratio": {k: _r(v / prompt if prompt else 0.0) for k, v in hit.items()},
         "stale_blocks": stale,
         "queue_s": {p: {"mean": _r(sum(v) / len(v)), "p90": _r(_pct(v, .9))} for p, v in sorted(qpool.items())},
+        # prefill-side queue time (loaded -> admitted) by request class: head-of-line blocking
+        # of warm requests behind cold prefills shows up in queue_warm_s
+        "queue_warm_s": {"mean": _r(sum(qwarm) / len(qwarm)) if qwarm else None, "p90": _r(_pct(qwarm, .9))},
+        "queue_cold_s": {"mean": _r(sum(qcold) / len(qcold)) if qcold else None, "p90": _r(_pct(qcold, .9))},
     }
     if win_tokens is not None:
         pt, dt, lb = win_tokens

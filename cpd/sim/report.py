@@ -75,6 +75,10 @@ def markdown(res: dict[str, Any], exp: dict, study: dict | None = None) -> str:
           f"{exp['decode'].get('ranks_per_node', 4)} data-parallel ranks of TP={exp['decode'].get('tp', 1)}.",
           f"* at most {exp['decode'].get('max_num_seqs', 24)} requests running per engine instance "
           f"(`max_num_seqs`), token budget {exp['prefill'].get('max_num_batched_tokens', 16384)} per prefill step.",
+          f"* caches: L1 = HBM after weights; L2 host DRAM {exp['prefill'].get('l2_bytes', 0) / 1e12:g} TB per "
+          f"prefill-side instance; shared L3 {exp.get('l3_bytes', 0) / 1e12:g} TB where the configuration has it "
+          f"({', '.join(c for c, v in exp['configs'].items() if v.get('l3_bytes', exp.get('l3_bytes', 0)))}). "
+          f"Router cost model: `{exp.get('router_cost', 'roofline')}` (see docs/simulator.md).",
           f"* workload: {exp['workload']}",
           f"* each point: {exp.get('ramp_s', 30)} s linear ramp, {exp.get('steady_s', 600)} s steady window "
           f"(metrics over requests arriving in it), {exp.get('drain_s', 60)} s drain.",
@@ -122,19 +126,22 @@ def markdown(res: dict[str, Any], exp: dict, study: dict | None = None) -> str:
         L.append("")
     L += ["## Per point", "",
           "| config | QPS/GPU | QPS | cold | TTFT p50/p90/p99 (s) | warm p50/p90 | cold p50/p90 | TPOT p50 (ms) | "
-          "prefill tok/s/GPU | decode tok/s/GPU | hit L1/L2/L3 | queue mean (s) | done |",
-          "|---|---:|---:|---:|---|---|---|---:|---:|---:|---|---|---:|"]
+          "prefill tok/s/GPU | decode tok/s/GPU | hit L1/L2/L3 | queue mean (s) | warm queue mean/p90 (s) | done |",
+          "|---|---:|---:|---:|---|---|---|---:|---:|---:|---|---|---|---:|"]
     for p in res["points"]:
         t, tw, tc = p["ttft_s"], p["ttft_warm_s"], p["ttft_cold_s"]
         h = p["hit_ratio"]
         qs = ", ".join(f"{k} {_f(v['mean'])}" for k, v in p["queue_s"].items())
+        qw = p.get("queue_warm_s", {})
         L.append(f"| {p['config']} | {p['qps_per_gpu']:.1f} | {p['qps_total']:.1f} | {_f(p['cold_fraction'])} | "
                  f"{_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} | {_f(tw['p50'])}/{_f(tw['p90'])} | "
                  f"{_f(tc['p50'])}/{_f(tc['p90'])} | {_f((p['tpot_s']['p50'] or 0) * 1000, 1)} | "
                  f"{_f(p.get('prefill_tokens_per_s_per_gpu'), 0)} | {_f(p.get('decode_tokens_per_s_per_gpu'), 0)} | "
-                 f"{_f(h['L1'])}/{_f(h['L2'])}/{_f(h['L3'])} | {qs} | {_f(p['completion_ratio'])} |")
+                 f"{_f(h['L1'])}/{_f(h['L2'])}/{_f(h['L3'])} | {qs} | "
+                 f"{_f(qw.get('mean'))}/{_f(qw.get('p90'))} | {_f(p['completion_ratio'])} |")
     L.append("")
-    L += ["Link bytes over the steady window (GB) are in `results.json` (`link_bytes`).", "",
+    L += ["Link bytes over the steady window (GB) are in `results.json` (`link_bytes`). Which assumptions "
+          "drive the gain: `sensitivity.md` (`python -m cpd.sim.sensitivity`).", "",
           "![TTFT](ttft_vs_qps.png)", "", "![throughput](throughput_vs_qps.png)", ""]
     if study:
         L += ["## Cold fraction x output length study", "",
