@@ -175,3 +175,33 @@ def test_other_host_uses_tcp_and_errors():
         assert np.array_equal(r.fetch(s.stage("t", t)), t.numpy())
     with pytest.raises(HandoffError):
         HandoffReceiver(timeout_s=0.5).fetch(dict(h, kind="tcp"))  # sender closed
+
+
+def test_killed_sender_leaves_no_shared_memory_behind():
+    """The arena is an anonymous memfd: SIGKILL of the sender frees it (no /dev/shm leftovers)."""
+    import signal
+    code = ("import json, sys, numpy as np\n"
+            "from cpd.worker.handoff import HandoffSender\n"
+            "s = HandoffSender(arena_bytes=8 << 20)\n"
+            "print(json.dumps(s.stage('r', np.ones(1024, np.float32))), flush=True)\n"
+            "sys.stdin.readline()\n")
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    h = json.loads(p.stdout.readline())
+    r = HandoffReceiver()
+    assert np.array_equal(r.view(h), np.ones(1024, np.float32))
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    r.close()
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not [f for f in after - before if f.startswith("cpd-handoff")]
+    assert not os.path.exists(h["name"])
+
+
+def test_handle_for_another_arena_is_refused():
+    with HandoffSender(arena_bytes=4 << 20) as s:
+        h = s.stage("r", np.arange(16, dtype=np.float32))
+        bad = dict(h, arena_id="0" * 32)
+        with pytest.raises(HandoffError):
+            HandoffReceiver().view(bad)
+        assert np.array_equal(HandoffReceiver().view(h), np.arange(16, dtype=np.float32))

@@ -49,6 +49,7 @@ import numpy as np
 _REQ = struct.Struct("<I")
 _REP = struct.Struct("<BQ")
 _ALIGN = 4096
+_ARENA_MAGIC = b"CPDARENA"
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
@@ -79,23 +80,39 @@ def _bytes_view(a: np.ndarray) -> memoryview:
 
 
 class _Arena:
-    """A preallocated /dev/shm mapping with a first-fit allocator (not thread-safe itself)."""
+    """A preallocated shared mapping with a first-fit allocator (not thread-safe itself).
+
+    On Linux the arena is an anonymous ``memfd`` that receivers open as
+    ``/proc/<pid>/fd/<fd>``: it has no name in ``/dev/shm``, so the kernel frees it when the
+    sender exits, even on SIGKILL (a named segment would leak). The first page holds a header
+    (magic + arena id) that receivers check, so a recycled pid/fd never maps someone else's data.
+    Elsewhere it falls back to a named file under /dev/shm or /tmp, unlinked on close.
+    """
 
     def __init__(self, size: int, prefix: str):
-        self.size = (max(int(size), _ALIGN) + _ALIGN - 1) // _ALIGN * _ALIGN
-        d = _SHM_DIR or "/tmp"
-        self.path = os.path.join(d, f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.size = (max(int(size), _ALIGN) + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
+        self.arena_id = uuid.uuid4().hex
+        self.fd = None
+        if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
+            self.fd = os.memfd_create(f"{prefix}-{self.arena_id[:8]}", 0)
+            self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+            fd, self._finalizer = self.fd, weakref.finalize(self, _close_quiet, self.fd)
+        else:
+            d = _SHM_DIR or "/tmp"
+            self.path = os.path.join(d, f"{prefix}-{os.getpid()}-{self.arena_id[:8]}")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._finalizer = weakref.finalize(self, _unlink_quiet, self.path)
         try:
             os.ftruncate(fd, self.size)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(fd, self.size, flags=flags)
         finally:
-            os.close(fd)
+            if self.fd is None:
+                os.close(fd)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.free: list[list[int]] = [[0, self.size]]  # sorted [offset, length]
-        # unlink even if the owner forgets close() (normal interpreter exit / garbage collection)
-        self._finalizer = weakref.finalize(self, _unlink_quiet, self.path)
+        hdr = _ARENA_MAGIC + self.arena_id.encode()
+        self.buf[:len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
+        self.free: list[list[int]] = [[_ALIGN, self.size - _ALIGN]]  # sorted [offset, length]
 
     def alloc(self, nbytes: int) -> int | None:
         need = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
@@ -136,6 +153,13 @@ class _Arena:
         except (BufferError, AttributeError):
             pass
         self._finalizer()
+
+
+def _close_quiet(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _unlink_quiet(path: str) -> None:
@@ -241,6 +265,7 @@ class HandoffSender:
              "dtype": a.dtype.str, "shape": list(a.shape), "host_id": self.host_id, "meta": meta or {}}
         if ent.kind == "shm":
             h["name"] = self._arena.path
+            h["arena_id"] = self._arena.arena_id
             h["offset"] = off
         return h
 
@@ -284,7 +309,7 @@ class HandoffSender:
         with self._lock:
             return {**self._st, "bytes_staged": sum(e.nbytes for e in self._entries.values()),
                     "num_staged": len(self._entries),
-                    "arena_bytes": self._arena.size if self._arena else 0,
+                    "arena_bytes": self._arena.size - _ALIGN if self._arena else 0,
                     "arena_free_bytes": self._arena.free_bytes() if self._arena else 0}
 
     # ---- TCP server ---------------------------------------------------------------------------
@@ -415,7 +440,7 @@ class HandoffReceiver:
             raise HandoffError("handle nbytes does not match dtype/shape")
         if self.path_for(handle) == "shm":
             try:
-                mm = self._map(handle["name"])
+                mm = self._map(handle["name"], handle.get("arena_id"))
             except OSError as e:
                 raise HandoffError(f"cannot map arena {handle.get('name')!r}: {e}") from e
             off = int(handle["offset"])
@@ -445,7 +470,7 @@ class HandoffReceiver:
             return self.fetch(handle)
         try:
             dtype, shape, nbytes = np.dtype(handle["dtype"]), tuple(handle["shape"]), int(handle["nbytes"])
-            mm = self._map(handle["name"])
+            mm = self._map(handle["name"], handle.get("arena_id"))
             off = int(handle["offset"])
         except (KeyError, TypeError, ValueError) as e:
             raise HandoffError(f"bad handle: {e}") from None
@@ -459,9 +484,11 @@ class HandoffReceiver:
             self._st["bytes_fetched"] += nbytes
         return arr
 
-    def _map(self, path: str) -> mmap.mmap:
+    def _map(self, path: str, arena_id: str | None = None) -> mmap.mmap:
+        """Map (once) the sender's arena; check its header against ``arena_id``."""
+        key = (path, arena_id)
         with self._lock:
-            mm = self._maps.get(path)
+            mm = self._maps.get(key)
             if mm is None:
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -470,7 +497,10 @@ class HandoffReceiver:
                                    prot=mmap.PROT_READ)
                 finally:
                     os.close(fd)
-                self._maps[path] = mm
+                if arena_id is not None and mm[:len(_ARENA_MAGIC) + len(arena_id)] != _ARENA_MAGIC + arena_id.encode():
+                    mm.close()
+                    raise OSError(f"{path} is not arena {arena_id}")
+                self._maps[key] = mm
             return mm
 
     def _fetch_tcp(self, handle: dict, out: np.ndarray) -> None:
