@@ -84,8 +84,10 @@ class Router:
 
         @asynccontextmanager
         async def lifespan(app: FastAPI):
-            router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024,
-                                                                  max_keepalive_connections=256))
+            # Idle connections expire here (2 s) well before the workers close them (30 s), so a
+            # request never races a server-side keep-alive close.
+            router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                                  keepalive_expiry=2.0))
             router.backend.client = router.client
             router.subscriber = EventSubscriber(router._on_batch)
             for w in router.workers.by_id.values():

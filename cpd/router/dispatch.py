@@ -140,7 +140,8 @@ class CPDBackend:
             except httpx.TransportError as e:
                 log.warning("prefill on %s failed (%r); attempt %d", d.prefill_worker, e, attempt)
                 self.metrics.fallbacks.labels("prefill_worker_failed").inc()
-                self.workers.mark_unhealthy(d.prefill_worker)
+                if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    self.workers.mark_unhealthy(d.prefill_worker)  # nothing listens: route around it
                 d, hashes = self.decide(req)
         raise BackendError("prefill failed on two workers", 503, "service_unavailable")
 

@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((a.host, a.port))
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
     server = uvicorn.Server(config)
     ready = {"worker_id": a.worker_id, "role": a.role, "port": a.port, "events_port": a.events_port,
              "kv_bytes_per_token": st.engine.kv_bytes_per_token, "max_model_len": st.engine.max_model_len,
