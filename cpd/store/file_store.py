@@ -152,18 +152,23 @@ class FileStore(KVStore):
     def _path(self, key: ChunkKey) -> str:
         return os.path.join(self.root, _name(key))
 
-    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
+    def _per_key(self, keys: list[ChunkKey], op) -> list[bool]:
+        """``op(path)`` per key: True if it succeeded, False if the file is missing; other
+        OS errors mean the directory is unusable (:class:`StoreUnavailable`)."""
         self._check_root()
         out = []
         for k in keys:
             try:
-                os.stat(self._path(k))
+                op(self._path(k))
                 out.append(True)
             except FileNotFoundError:
                 out.append(False)
             except OSError as e:
                 raise self._unavailable(e)
         return out
+
+    def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
+        return self._per_key(keys, os.stat)
 
     def _get_many(self, keys: list[ChunkKey]) -> list[object | None]:
         out: list[object | None] = []
@@ -231,17 +236,7 @@ class FileStore(KVStore):
             return False
 
     def _delete_keys(self, keys: list[ChunkKey]) -> list[bool]:
-        self._check_root()
-        out = []
-        for k in keys:
-            try:
-                os.unlink(self._path(k))
-                out.append(True)
-            except FileNotFoundError:
-                out.append(False)
-            except OSError as e:
-                raise self._unavailable(e)
-        return out
+        return self._per_key(keys, os.unlink)
 
     def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
         self._check_root()
