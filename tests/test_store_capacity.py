@@ -137,19 +137,19 @@ def test_slow_store_times_out_and_connector_falls_back(redis_server):
         c = L3Connector(s, write_async=False)
         c.save(hs, None, [], blocks)
         assert c.lookup(hs) == 3
-        proxy.delay_s = 1.0
+        proxy.delay_s = 3.0  # far beyond the 0.2 s timeout, so a hang cannot pass the bounds below
         for op in (lambda: s.lookup_prefix(hs), lambda: s.get_blocks(hs)):
             t0 = time.monotonic()
             with pytest.raises(StoreTimeout):
                 op()
-            assert time.monotonic() - t0 < 0.6
+            assert time.monotonic() - t0 < 2.5
         t0 = time.monotonic()
         assert c.lookup(hs) == 0 and c.load(hs) is None
         c.save([9], None, [], rand_blocks(1))
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 2.5
         assert c.fallback_counts["timeout"] == 3
         proxy.delay_s = 0.0
-        time.sleep(1.1)  # let delayed bytes drain
+        time.sleep(3.2)  # let delayed bytes drain
         assert c.lookup(hs) == 3 and c.load(hs) is not None  # recovered on its own
     finally:
         proxy.close()
