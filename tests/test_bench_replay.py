@@ -166,11 +166,11 @@ def test_replay_records_errors_and_arrivals(peer, tmp_path):
     assert recs["r3"].cached_tokens == 32 and recs["r0"].cached_tokens == 0
     # open loop: every request was sent (and received) at its scheduled arrival, the stalled
     # request r4 did not delay r5
-    # (client side, precise: sched_lag_s; peer side, coarse: the in-process peer's own request
+    # (client side, the precise one: sched_lag_s; peer side, coarse: the in-process peer's own request
     # handling can lag on a loaded 2-core machine, which says nothing about the replayer)
     t_first = min(peer.received.values())
     for r, q in zip(res.records, reqs):
-        assert abs(r.sched_lag_s) < 0.08, (r.id, r.sched_lag_s)
+        assert abs(r.sched_lag_s) < 0.2, (r.id, r.sched_lag_s)  # well under STALL: r4 never holds others
         got = peer.received[f"{q.prompt[:8]}|{q.max_tokens}|{q.prompt_len}"] - t_first
         assert abs(got - q.arrival_s) < 1.0, (r.id, got, q.arrival_s)
     assert recs["r5"].send_s < recs["r4"].send_s + recs["r4"].e2e_s

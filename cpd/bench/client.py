@@ -263,8 +263,15 @@ async def replay(url: str, requests: Sequence[BenchRequest], *, model: str | Non
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
             trust_env=trust_env)
     try:
-        if model is None:
+        # Always one request before the clock starts: it also pays the HTTP stack's one-time
+        # costs (lazy imports, first connection) that would otherwise delay the first arrivals.
+        try:
             r = await client.get(f"{base}/v1/models", headers=headers)
+        except httpx.HTTPError:
+            if model is None:
+                raise
+            r = None
+        if model is None:
             r.raise_for_status()
             model = pick_model(r.json().get("data") or [])["id"]
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
