@@ -12,6 +12,7 @@ import json
 import threading
 import time
 
+import httpx
 import pytest
 import typer
 import uvicorn
@@ -109,6 +110,14 @@ def peer():
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
     assert server.started
+    # Warm the peer's streaming path once (lazy imports on a fresh venv would otherwise hold the
+    # GIL during the first timed requests), then forget it: the prompt has no full block.
+    with httpx.stream("POST", f"{p.url}/v1/completions", timeout=30,
+                      json={"prompt": [5, 6, 7], "max_tokens": 2, "stream": True, "ignore_eos": True,
+                            "temperature": 0, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    p.received.clear()
+    p.bodies.clear()
     yield p
     server.should_exit = True
     th.join(10)
