@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -243,6 +243,3 @@ def _wait_ready(p: subprocess.Popen, timeout_s: float, log_path: Path) -> dict:
         raise DeploymentError(f"worker did not start (exit={p.poll()}):\n{tail}")
     return result
 
-
-def config_dict(cfg: DeploymentConfig) -> dict:
-    return asdict(cfg)

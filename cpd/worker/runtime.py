@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cpd.kv.event_bus import EventPublisher
 
@@ -22,8 +21,6 @@ class RequestStream:
 
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    added_at_s: float = field(default_factory=time.monotonic)
-    first_scheduled_at_s: float | None = None
 
 
 class EngineRunner:

@@ -81,7 +81,7 @@ async def _next_output(stream, request: Request):
             item = await asyncio.wait_for(stream.queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                raise ConnectionAbortedError
+                raise ConnectionAbortedError from None
             continue
         if isinstance(item, BaseException):
             raise RuntimeError(f"engine failed: {item!r}")
