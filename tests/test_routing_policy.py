@@ -65,3 +65,18 @@ def test_fallbacks_and_errors():
     unhealthy = [WorkerLoad(w.worker_id, w.role, healthy=w.role == "decode") for w in _workers()]
     with pytest.raises(NoWorkerError):
         route(320, PrefixMatch(), unhealthy, cfg, COST)
+
+
+def test_queue_priced_by_per_request_estimates_when_known():
+    """With an attention term, pricing three queued 60K prefills as one 180K sequence overstates
+    the queue; a caller that tracks per-request estimates passes their sum instead."""
+    attn = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e5, attn_coeff=1e-5)
+    cfg = RoutingConfig(topology="pd", block_size=BS)
+    per_request = 3 * attn.prefill_time_s(60_000, 0)
+    assert attn.prefill_time_s(180_000, 0) > per_request
+    match = PrefixMatch(l1={"p0": 146_000 // BS})  # p0 holds 146K of the 150K prompt
+    others = [WorkerLoad("p1", "prefill"), WorkerLoad("d0", "decode")]
+    summed = WorkerLoad("p0", "prefill", queued_prefill_tokens=180_000, queued_prefill_s=per_request)
+    assert route(150_000, match, [summed, *others], cfg, attn).prefill_worker == "p0"  # wait, then reuse
+    one_long = WorkerLoad("p0", "prefill", queued_prefill_tokens=180_000)
+    assert route(150_000, match, [one_long, *others], cfg, attn).prefill_worker == "p1"  # overstated queue

@@ -18,7 +18,8 @@ Decision, per request:
 4. ``cpd`` topology: cold → pre-prefill pool, warm → prefill pool (isolation).
    ``pd`` topology: everything → prefill pool. An empty pool falls back to the other.
 5. Within the pool, pick the worker with the smallest estimated TTFT:
-   queued prefill time + load time + compute time of the uncached suffix
+   queued prefill time (the sum of per-request estimates when the caller tracks it) + load
+   time + compute time of the uncached suffix
    (ties: fewer running requests, then worker id). This mirrors Dynamo's KV router
    cost (overlap credit vs load) expressed in seconds.
 6. Decode worker: fewest running requests, then lowest KV use, then id.
@@ -59,6 +60,9 @@ class WorkerLoad:
         running_requests: requests admitted and not finished.
         kv_usage: fraction of the L1 pool in use, in [0, 1].
         healthy: False excludes the worker.
+        queued_prefill_s: if known, the sum of the queued requests' own prefill estimates
+            (seconds). Without it the queue is priced as ``prefill_time_s(queued_prefill_tokens, 0)``,
+            one long sequence, which overstates queues under a cost model with an attention term.
     """
 
     worker_id: str
@@ -67,6 +71,7 @@ class WorkerLoad:
     running_requests: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
+    queued_prefill_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +172,10 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
 def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig,
                      cost: CostModel) -> float:
     cached = plan.num_cached_blocks * cfg.block_size
-    t = cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
+    if w.queued_prefill_s is not None:
+        t = w.queued_prefill_s
+    else:
+        t = cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
     for tier, n in (("L2", plan.l2_blocks), ("L3", plan.l3_blocks)):
         if n:
             t += cost.load_time_s(tier, n * cfg.block_size * cost.kv_bytes_per_token)

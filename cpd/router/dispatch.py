@@ -155,12 +155,16 @@ class CPDBackend:
                 "write_through": d.pool == "pre-prefill"}
         log.debug("route %s cls=%s pool=%s worker=%s plan=%s reasons=%s", req.request_id, d.request_class, d.pool,
                   d.prefill_worker, asdict(d.load_plan), d.reasons)
+        cached = d.load_plan.num_cached_blocks * self.cfg.block_size
+        est_s = self.estimates.model().prefill_time_s(n - cached, cached)
         w.queued_prefill_tokens += n
+        w.queued_prefill_s += est_s
         w.running_requests += 1
         try:
             r = await self.client.post(f"{w.url}/prefill", json=body, timeout=None)
         finally:
             w.queued_prefill_tokens -= n
+            w.queued_prefill_s -= est_s
             w.running_requests -= 1
         if r.status_code != 200:
             raise BackendError(f"prefill worker {w.worker_id} error: {r.text[:200]}", 502, "server_error")

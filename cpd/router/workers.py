@@ -24,6 +24,7 @@ class WorkerInfo:
         url: base URL of its internal HTTP API.
         events_endpoint: ZMQ endpoint of its KV-event publisher.
         queued_prefill_tokens: prompt tokens dispatched and not yet prefilled.
+        queued_prefill_s: sum of the policy's estimates for those requests (seconds).
         running_requests: requests dispatched and not finished on this worker.
         kv_usage: last polled L1 use in [0, 1].
         healthy: False after a failed poll or request, True again after a good poll.
@@ -34,6 +35,7 @@ class WorkerInfo:
     url: str
     events_endpoint: str
     queued_prefill_tokens: int = 0
+    queued_prefill_s: float = 0.0
     running_requests: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
@@ -41,7 +43,7 @@ class WorkerInfo:
 
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, self.role, self.queued_prefill_tokens, self.running_requests,
-                          self.kv_usage, self.healthy)
+                          self.kv_usage, self.healthy, queued_prefill_s=max(0.0, self.queued_prefill_s))
 
 
 class WorkerSet:
