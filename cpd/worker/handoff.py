@@ -340,6 +340,8 @@ class HandoffSender:
                     ent = self._entries.get(rid)
                     if ent is not None:
                         ent.sending += 1
+                        # counted before sending: a receiver that has the bytes always sees it
+                        self._st["tcp_served"] += 1
                 if ent is None:
                     conn.sendall(_REP.pack(1, 0))
                     continue
@@ -354,7 +356,6 @@ class HandoffSender:
                 finally:
                     with self._lock:
                         ent.sending -= 1
-                        self._st["tcp_served"] += 1
                         self._st["tcp_bytes_sent"] += ent.nbytes
                         if ent.released and ent.sending == 0:
                             self._free(ent)
