@@ -238,7 +238,9 @@ class FileStore(KVStore):
     def _delete_keys(self, keys: list[ChunkKey]) -> list[bool]:
         return self._per_key(keys, os.unlink)
 
-    def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
+    def _scan_stat(self) -> Iterable[tuple[ChunkKey, os.stat_result]]:
+        """Visible chunks with their ``stat`` (files deleted meanwhile are skipped).
+        Raises: StoreUnavailable."""
         self._check_root()
         try:
             with os.scandir(self.root) as it:
@@ -247,11 +249,16 @@ class FileStore(KVStore):
                     if k is None:
                         continue
                     try:
-                        yield k, e.stat().st_size
+                        st = e.stat()
                     except FileNotFoundError:
                         continue
+                    yield k, st
         except OSError as e:
             raise self._unavailable(e)
+
+    def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
+        for k, st in self._scan_stat():
+            yield k, st.st_size
 
     def begin_write(self, block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
                     block_size: int | None = None) -> PendingWrite:
@@ -289,21 +296,9 @@ class FileStore(KVStore):
         block of each evicted chunk. Returns chunks evicted. Raises: StoreUnavailable."""
         entries = []
         total = 0
-        self._check_root()
-        try:
-            with os.scandir(self.root) as it:
-                for e in it:
-                    k = _parse(e.name)
-                    if k is None:
-                        continue
-                    try:
-                        st = e.stat()
-                    except FileNotFoundError:
-                        continue
-                    entries.append((st.st_mtime_ns, k, st.st_size))
-                    total += st.st_size
-        except OSError as e:
-            raise self._unavailable(e)
+        for k, st in self._scan_stat():
+            entries.append((st.st_mtime_ns, k, st.st_size))
+            total += st.st_size
         entries.sort()
         removed: list[int] = []
         n = 0
