@@ -36,11 +36,7 @@ def plot_sweep(res: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{res['name']}: TTFT vs load")
-    fig.tight_layout()
-    p = out / "ttft_vs_qps.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "ttft_vs_qps.png"))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for c in cfgs:
         xs = [p["qps_per_gpu"] for p in by[c]]
@@ -53,11 +49,7 @@ def plot_sweep(res: dict[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{res['name']}: throughput vs load")
-    fig.tight_layout()
-    p = out / "throughput_vs_qps.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "throughput_vs_qps.png"))
     return paths
 
 
@@ -154,3 +146,12 @@ def markdown(res: dict[str, Any], exp: dict, study: dict | None = None) -> str:
                      f"{_f(cell['gain'] * 100 if cell['gain'] is not None else None, 0, ' %')} |")
         L.append("")
     return "\n".join(L) + "\n"
+
+
+def _save(fig, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close one figure."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
