@@ -35,8 +35,19 @@ def serve(
     cold_threshold: float = typer.Option(0.5, help="reuse ratio below which a request is cold"),
     max_num_batched_tokens: int = typer.Option(512, help="engine token budget per step"),
     log_dir: Optional[str] = typer.Option(None, help="where worker/router logs go"),
+    torch_threads: int = typer.Option(0, help="torch threads per worker (0 = cores / workers)"),
+    restart_backoff_s: float = typer.Option(1.0, help="first restart delay of a dead worker/router; doubles per "
+                                                      "consecutive quick exit"),
+    restart_backoff_max_s: float = typer.Option(30.0, help="cap of the restart delay"),
 ):
-    """Run a CPD (or plain P/D) deployment until Ctrl-C."""
+    """Run a CPD (or plain P/D) deployment until Ctrl-C (SIGINT) or SIGTERM.
+
+    The launcher supervises its children: a worker or router that exits is restarted on the
+    same ports with exponential backoff while the others keep serving (logged here and in
+    LOG_DIR/<process>.log; counted in /metrics as cpd_process_restarts_total and listed at
+    /cpd/processes). Only Ctrl-C/SIGTERM stops everything (router first, then workers)."""
+    import logging
+
     from cpd.deploy import Deployment, DeploymentConfig
 
     if topology not in ("cpd", "pd"):
@@ -46,23 +57,33 @@ def serve(
         num_pre_prefill=(pre_prefill if pre_prefill is not None else 1) if topology == "cpd" else 0,
         num_prefill=prefill if prefill is not None else (1 if topology == "cpd" else 2),
         num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, l3_chunk_blocks=l3_chunk_blocks, block_size=block_size,
-        host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens)
+        host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens,
+        torch_threads=torch_threads, supervise=True, restart_backoff_s=restart_backoff_s,
+        restart_backoff_max_s=restart_backoff_max_s)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("cpd.deploy").setLevel(logging.INFO)
+    stop = {"flag": False, "started": False}
+
+    def on_signal(*_):
+        stop["flag"] = True
+        if not stop["started"]:  # still starting: unwind start(), which stops what it started
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job starts with it ignored
+        signal.signal(sig, on_signal)
     dep = Deployment(cfg, log_dir=log_dir)
     typer.echo(f"starting {topology}: {', '.join(cfg.roles())} (model {cfg.model_dir})")
-    dep.start()
-    typer.echo(f"serving {dep.model_name} at {dep.url}/v1  (metrics {dep.url}/metrics, logs {dep.log_dir}); Ctrl-C stops")
-    stop = {"flag": False}
-    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job starts with it ignored
-        signal.signal(sig, lambda *_: stop.update(flag=True))
     try:
+        dep.start()
+        stop["started"] = True
+        typer.echo(f"serving {dep.model_name} at {dep.url}/v1  (metrics {dep.url}/metrics, logs {dep.log_dir}); "
+                   "Ctrl-C stops")
         while not stop["flag"]:
-            time.sleep(0.5)
-            if any(p.poll() is not None for p in dep.procs):
-                typer.echo("a child process exited; stopping", err=True)
-                break
+            time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     finally:
+        stop["started"] = True  # a second signal while stopping must not interrupt the stop
         dep.stop()
         typer.echo("stopped")
 

@@ -2,12 +2,19 @@
 
 Used by ``cpd serve``, ``make demo`` and the tests. Every process is a child that
 dies with its parent (``PR_SET_PDEATHSIG`` on Linux), so no orphans are left even if
-the launcher is killed.
+the launcher is killed; children run in their own session, so a terminal's Ctrl-C reaches
+only the launcher, which stops them in order (router first, then workers).
+
+With ``supervise=True`` (what ``cpd serve`` uses) a child that exits is restarted with the
+same command line and ports, with exponential backoff (:mod:`cpd.supervise`); only
+:meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
+``<log_dir>/supervisor.json``, which the router exports as metrics.
 """
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -21,6 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from cpd.supervise import Child, RestartPolicy, Supervisor
+
+log = logging.getLogger("cpd.deploy")
 
 ROLE_PREFIX = {"pre-prefill": "pp", "prefill": "p", "decode": "d"}
 
@@ -63,8 +74,14 @@ class DeploymentConfig:
     max_in_flight: int = 256
     max_decode_per_worker: int = 0  # 0 = 2 x max_num_seqs
     handoff_force_tcp: bool = False  # use the cross-host (TCP) handoff path even on one host
+    worker_extra_args: list = field(default_factory=list)  # appended to every worker's command line
     model_name: str = ""
     extra_env: dict = field(default_factory=dict)
+    supervise: bool = False  # restart children that exit (cpd serve: on)
+    restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive quick exit
+    restart_backoff_max_s: float = 30.0
+    restart_stable_s: float = 60.0  # an exit after this much uptime starts the backoff over
+    restart_ready_timeout_s: float = 300.0  # a restarted child must be ready within this
 
     def roles(self) -> list[str]:
         pre = self.num_pre_prefill if self.topology == "cpd" else 0
@@ -80,16 +97,16 @@ class Deployment:
 
     def __init__(self, cfg: DeploymentConfig, log_dir: str | None = None):
         self.cfg = cfg
-        self.procs: list[subprocess.Popen] = []
-        self.workers: list[dict] = []
-        self.router_proc: subprocess.Popen | None = None
+        self.workers: list[dict] = []  # READY info per worker (+ url, events_endpoint, pid)
+        self.children: dict[str, Child] = {}  # worker id or "router" -> its process record
         self.port = cfg.port or free_port()
         self.url = f"http://{cfg.host}:{self.port}"
         self._own_store: str | None = None
-        self._worker_procs: dict[str, subprocess.Popen] = {}
         self._tmp = tempfile.mkdtemp(prefix="cpd-deploy-")
         self.log_dir = Path(log_dir or self._tmp)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.status_path = self.log_dir / "supervisor.json"
+        self.supervisor: Supervisor | None = None
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> "Deployment":
@@ -102,10 +119,21 @@ class Deployment:
         try:
             self._start_workers(kv_store, timeout_s)
             self._start_router(timeout_s)
+            self._start_supervisor()
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The current process of every child (router included)."""
+        return [c.proc for c in self.children.values() if c.proc is not None]
+
+    @property
+    def router_proc(self) -> subprocess.Popen | None:
+        c = self.children.get("router")
+        return c.proc if c else None
 
     def _env(self) -> dict:
         env = dict(os.environ)
@@ -113,12 +141,38 @@ class Deployment:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=log, text=True,
-                             env=self._env(), preexec_fn=_die_with_parent)
-        self.procs.append(p)
-        return p
+    def _log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def _spawner(self, args: list[str], name: str, stdout_pipe: bool = True):
+        """A function that starts this child (first start truncates its log, restarts append).
+        Workers' stdout is a pipe (their READY line); the router's goes to its log."""
+        first = {"start": True}
+
+        def spawn() -> subprocess.Popen:
+            log_file = open(self._log_path(name), "w" if first["start"] else "a")
+            first["start"] = False
+            try:
+                return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE if stdout_pipe else log_file,
+                                        stderr=log_file, text=True, env=self._env(), preexec_fn=_die_with_parent,
+                                        start_new_session=True)
+            finally:
+                log_file.close()  # the child holds its own descriptor
+        return spawn
+
+    def _worker_args(self, role: str, wid: str, kv_store: str, threads: int) -> list[str]:
+        port, eport = free_port(), free_port()
+        args = ["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", self.cfg.model_dir,
+                "--host", self.cfg.host, "--port", str(port), "--events-port", str(eport),
+                "--kv-store", kv_store, "--num-blocks", str(self.cfg.num_blocks),
+                "--l3-chunk-blocks", str(self.cfg.l3_chunk_blocks),
+                "--block-size", str(self.cfg.block_size), "--host-kv-bytes", str(self.cfg.host_kv_bytes),
+                "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens),
+                "--max-prefill-chunk-tokens", str(self.cfg.max_prefill_chunk_tokens),
+                "--max-num-seqs", str(self.cfg.max_num_seqs), "--torch-threads", str(threads)]
+        if self.cfg.handoff_force_tcp:
+            args.append("--handoff-force-tcp")
+        return args + [str(x) for x in self.cfg.worker_extra_args]
 
     def _start_workers(self, kv_store: str, timeout_s: float) -> None:
         roles = self.cfg.roles()
@@ -128,25 +182,62 @@ class Deployment:
         for role in roles:
             i = counters[role] = counters.get(role, -1) + 1
             wid = f"{ROLE_PREFIX[role]}{i}"
-            port, eport = free_port(), free_port()
-            args = ["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", self.cfg.model_dir,
-                    "--host", self.cfg.host, "--port", str(port), "--events-port", str(eport),
-                    "--kv-store", kv_store, "--num-blocks", str(self.cfg.num_blocks),
-                    "--l3-chunk-blocks", str(self.cfg.l3_chunk_blocks),
-                    "--block-size", str(self.cfg.block_size), "--host-kv-bytes", str(self.cfg.host_kv_bytes),
-                    "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens),
-                    "--max-prefill-chunk-tokens", str(self.cfg.max_prefill_chunk_tokens),
-                    "--max-num-seqs", str(self.cfg.max_num_seqs), "--torch-threads", str(threads)]
-            if self.cfg.handoff_force_tcp:
-                args.append("--handoff-force-tcp")
-            pending.append((wid, self._spawn(args, wid)))
-        for wid, p in pending:
-            info = _wait_ready(p, timeout_s, self.log_dir / f"{wid}.log")
+            c = Child(wid, role, self._spawner(self._worker_args(role, wid, kv_store, threads), wid),
+                      on_started=self._watch_worker_ready)
+            c.proc = c.spawn()
+            c.started_at_s = time.monotonic()
+            self.children[wid] = c
+            pending.append(c)
+        for c in pending:
+            info = _wait_ready(c.proc, timeout_s, self._log_path(c.name))
             info["url"] = f"http://{self.cfg.host}:{info['port']}"
             info["events_endpoint"] = f"tcp://{self.cfg.host}:{info['events_port']}"
-            info["pid"] = p.pid
+            info["pid"] = c.proc.pid
+            c.ready.set()
             self.workers.append(info)
-            self._worker_procs[wid] = p
+
+    def _watch_worker_ready(self, c: Child) -> None:
+        """After a restart: wait (in a thread) for the worker's READY line, then mark it ready."""
+        proc = c.proc
+
+        def wait() -> None:
+            try:
+                info = _wait_ready(proc, self.cfg.restart_ready_timeout_s, self._log_path(c.name))
+            except DeploymentError as e:
+                log.warning("restarted %s did not become ready: %s", c.name, str(e).splitlines()[0])
+                return
+            w = next(w for w in self.workers if w["worker_id"] == c.name)
+            if info.get("namespace") != w["namespace"]:
+                log.error("restarted %s reports another KV namespace; stopping it", c.name)
+                proc.kill()
+                return
+            w["pid"] = proc.pid
+            if c.proc is proc:
+                c.ready.set()
+                log.warning("%s is ready again (pid %d)", c.name, proc.pid)
+                if self.supervisor is not None:
+                    self.supervisor.write_status()
+        threading.Thread(target=wait, name=f"ready-{c.name}", daemon=True).start()
+
+    def _watch_router_ready(self, c: Child) -> None:
+        """After a restart: the router is ready once it answers ``/health`` (any status)."""
+        proc = c.proc
+
+        def wait() -> None:
+            deadline = time.monotonic() + self.cfg.restart_ready_timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    httpx.get(f"{self.url}/health", timeout=1.0)
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+                    continue
+                if c.proc is proc:
+                    c.ready.set()
+                    log.warning("router is ready again (pid %d)", proc.pid)
+                    if self.supervisor is not None:
+                        self.supervisor.write_status()
+                return
+        threading.Thread(target=wait, name="ready-router", daemon=True).start()
 
     def _start_router(self, timeout_s: float) -> None:
         w0 = self.workers[0]
@@ -159,30 +250,50 @@ class Deployment:
                 "kv_bytes_per_token": w0["kv_bytes_per_token"], "topology": self.cfg.topology,
                 "cold_threshold": self.cfg.cold_threshold, "max_in_flight": self.cfg.max_in_flight,
                 "max_decode_per_worker": self.cfg.max_decode_per_worker or 2 * self.cfg.max_num_seqs,
-                "host": self.cfg.host, "port": self.port}
+                "host": self.cfg.host, "port": self.port, "supervisor_status": str(self.status_path)}
         path = Path(self._tmp) / "router.json"
         path.write_text(json.dumps(rcfg))
-        self.router_proc = self._spawn(["-m", "cpd.router.main", "--config", str(path)], "router")
+        c = Child("router", "router", self._spawner(["-m", "cpd.router.main", "--config", str(path)], "router",
+                                            stdout_pipe=False),
+                  on_started=self._watch_router_ready)
+        c.proc = c.spawn()
+        c.started_at_s = time.monotonic()
+        self.children["router"] = c
         self.model_name = rcfg["model_name"]
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if self.router_proc.poll() is not None:
-                raise DeploymentError(f"router exited; see {self.log_dir / 'router.log'}")
+            if c.proc.poll() is not None:
+                raise DeploymentError(f"router exited; see {self._log_path('router')}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    c.ready.set()
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise DeploymentError("router did not become healthy")
 
+    def _start_supervisor(self) -> None:
+        """Write the status file; with ``supervise`` also start restarting exited children."""
+        policy = RestartPolicy(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, self.cfg.restart_stable_s)
+        self.supervisor = Supervisor(list(self.children.values()), policy, self.status_path,
+                                     log_path=self._log_path)
+        if self.cfg.supervise:
+            self.supervisor.start()
+        else:
+            self.supervisor.write_status()
+
     def stop(self) -> None:
-        """Stop the router first, then workers (SIGTERM, SIGKILL after 10 s)."""
-        order = ([self.router_proc] if self.router_proc else []) + [p for p in self.procs if p is not self.router_proc]
-        for p in order:
+        """Stop the router first, then workers (SIGTERM, SIGKILL after 10 s). Restarts end first."""
+        if self.supervisor is not None:
+            self.supervisor.pause()
+        router = self.children.get("router")
+        order = ([router] if router else []) + [c for c in self.children.values() if c is not router]
+        procs = [c.proc for c in order if c.proc is not None]
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
-        for p in order:
+        for p in procs:
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -190,7 +301,10 @@ class Deployment:
                 p.wait(5)
             if p.stdout:
                 p.stdout.close()
-        self.procs.clear()
+        if self.supervisor is not None:
+            self.supervisor.close()  # after the children: they die with the thread that forked them
+            self.supervisor.write_status()
+        self.children.clear()
         if self._own_store:
             shutil.rmtree(self._own_store, ignore_errors=True)
             self._own_store = None
@@ -203,13 +317,45 @@ class Deployment:
 
     # --- helpers for tests and the demo -------------------------------------------------
     def alive_workers(self) -> list[dict]:
-        return [w for w in self.workers if self._worker_procs[w["worker_id"]].poll() is None]
+        """Workers whose process runs and has reported READY (a restarting one is left out)."""
+        return [w for w in self.workers if self.children[w["worker_id"]].alive()
+                and self.children[w["worker_id"]].ready.is_set()]
 
-    def kill_worker(self, worker_id: str) -> None:
-        """SIGKILL one worker (fault injection in tests)."""
-        p = self._worker_procs[worker_id]
-        p.kill()
+    def pids(self) -> dict[str, int]:
+        """Current pid of every child: ``{"router": pid, "<worker id>": pid}``."""
+        return {name: c.proc.pid for name, c in self.children.items() if c.proc is not None}
+
+    def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` (default SIGKILL) to one worker or the router (fault injection in tests)
+        and wait for it to exit; returns the pid it had."""
+        p = self.children[worker_id].proc
+        p.send_signal(sig)
         p.wait(10)
+        return p.pid
+
+    def kill_router(self, sig: int = signal.SIGKILL) -> int:
+        return self.kill_worker("router", sig)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Wait until every child runs and is ready and the router reports every worker healthy
+        (after restarts). Raises DeploymentError on timeout."""
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            if all(c.alive() and c.ready.is_set() for c in self.children.values()):
+                try:
+                    r = httpx.get(f"{self.url}/health", timeout=2.0)
+                    if r.status_code == 200 and all(r.json().get("workers", {}).values()):
+                        return
+                    last = r.text
+                except (httpx.HTTPError, ValueError) as e:
+                    last = repr(e)
+            time.sleep(0.2)
+        raise DeploymentError(f"deployment not ready within {timeout_s} s: {last} {self.supervisor_status()}")
+
+    def supervisor_status(self) -> dict:
+        from cpd.supervise import read_status
+        return read_status(self.status_path)
 
     def worker_urls(self, role: str | None = None) -> list[str]:
         return [w["url"] for w in self.alive_workers() if role is None or w["role"] == role]

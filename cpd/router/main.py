@@ -25,13 +25,27 @@ def build_router(cfg: dict) -> Router:
                   max_decode_per_worker=cfg.get("max_decode_per_worker", 64))
 
 
+def _serve_supervisor_status(app, router: Router, status_path: str) -> None:
+    """``GET /cpd/processes``: the launcher's supervisor status (pid, alive, ready, restarts per
+    process); the same figures are metrics (``cpd_process_restarts_total``, ``cpd_process_up``)."""
+    from cpd.supervise import read_status
+    router.metrics.watch_supervisor(status_path)
+
+    @app.get("/cpd/processes")
+    async def processes():
+        return read_status(status_path).get("processes", {})
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="cpd router")
     p.add_argument("--config", required=True)
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
     cfg = json.loads(open(a.config).read())
-    app = build_router(cfg).app()
+    router = build_router(cfg)
+    app = router.app()
+    if cfg.get("supervisor_status"):
+        _serve_supervisor_status(app, router, cfg["supervisor_status"])
     uvicorn.run(app, host=cfg["host"], port=cfg["port"], log_level="warning", access_log=False)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -40,3 +41,29 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_supervisor(self, status_path: str) -> None:
+        """Export the deployment supervisor's status file (:mod:`cpd.supervise`) at each scrape:
+        ``cpd_process_restarts_total{process,role}`` and ``cpd_process_up{process,role}``."""
+        self.registry.register(SupervisorCollector(status_path))
+
+
+class SupervisorCollector:
+    """Reads the supervisor's status file (written by the launcher, which outlives the router's
+    restarts) on each scrape; the router itself keeps no restart state."""
+
+    def __init__(self, status_path: str):
+        self.status_path = status_path
+
+    def collect(self):
+        from cpd.supervise import read_status
+        procs = read_status(self.status_path).get("processes", {})
+        restarts = CounterMetricFamily("cpd_process_restarts", "Restarts of each deployment process by the supervisor",
+                                       labels=["process", "role"])
+        up = GaugeMetricFamily("cpd_process_up", "1 if the process runs and is ready, else 0",
+                               labels=["process", "role"])
+        for name, p in sorted(procs.items()):
+            restarts.add_metric([name, p.get("role", "")], float(p.get("restarts", 0)))
+            up.add_metric([name, p.get("role", "")], 1.0 if p.get("alive") and p.get("ready") else 0.0)
+        yield restarts
+        yield up
