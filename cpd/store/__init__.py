@@ -38,6 +38,14 @@ def _hosts(netloc: str) -> list[tuple[str, int]]:
     return out or [("127.0.0.1", 6379)]
 
 
+def _make_dir(root: str) -> None:
+    import os
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StoreUnavailable(f"file://{root}: {e}") from e
+
+
 def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: int | None = None,
                stale_timeout_s: float | None = None, timeout_s: float | None = None,
                capacity_bytes: int | None = None, watch_evictions: bool | None = None) -> KVStore:
@@ -54,9 +62,13 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
       (one key, header, checksum, server entry per chunk) and suit long shared prefixes, but a
       prefix is found only up to the last whole chunk it contains, and every process sharing a
       store must use the same value.
-    * ``capacity_bytes`` (int or ``512M``/``2G``, default 0 = unlimited): LRU eviction over
+    * ``capacity_bytes`` (int or ``512M``/``2G``; ``0`` = unlimited): LRU eviction over
       visible chunks above this size, publishing ``BlockRemoved``; all processes sharing a
-      store should use the same value.
+      store should use the same value. Default: ``file://`` stores get a capacity sized from
+      the machine (:mod:`cpd.store.capacity`: half the filesystem's free space plus what the
+      store holds, at most a quarter of RAM on tmpfs, between 64 MiB and 64 GiB); Redis
+      stores default to 0 and are bounded by the server's own ``maxmemory`` (use
+      ``watch_evictions=1`` to turn its evictions into events).
     * ``stale_timeout_s`` (float, default 30): reclaim age of abandoned staging data.
     * ``timeout_s`` (redis, default 0.5): connect/socket timeout; a slower store is a miss.
     * ``prefix`` (redis, default ``cpd:kv:``): key prefix.
@@ -76,16 +88,22 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
     cb = chunk_blocks if chunk_blocks is not None else int(q.get("chunk_blocks", 1))
     st = stale_timeout_s if stale_timeout_s is not None else float(
         q.get("stale_timeout_s", DEFAULT_STALE_TIMEOUT_S))
-    cap = capacity_bytes if capacity_bytes is not None else parse_size(q.get("capacity_bytes", "0"))
+    cap = capacity_bytes if capacity_bytes is not None else (
+        parse_size(q["capacity_bytes"]) if "capacity_bytes" in q else None)
     if u.scheme == "file":
         from cpd.store.file_store import FileStore
-        return FileStore(u.netloc + u.path, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st,
+        root = u.netloc + u.path
+        if cap is None:
+            from cpd.store.capacity import machine_default_capacity_bytes
+            _make_dir(root)
+            cap = machine_default_capacity_bytes(root)
+        return FileStore(root, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st,
                          capacity_bytes=cap, evict_interval_s=float(q.get("evict_interval_s", 5.0)))
     if u.scheme in ("redis", "redis+cluster", "rediss+cluster"):
         to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
         we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE
         kw = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
-                  stale_timeout_s=st, capacity_bytes=cap, watch_evictions=we,
+                  stale_timeout_s=st, capacity_bytes=cap or 0, watch_evictions=we,
                   chunk_ttl_s=float(q.get("chunk_ttl_s", 0)))
         if u.scheme != "redis" or q.get("cluster", "0").lower() in _TRUE:
             from cpd.store.redis_cluster_store import RedisClusterStore

@@ -260,6 +260,23 @@ def candidate_keys(block_hashes: Sequence[int], chunk_blocks: int) -> list[Chunk
 EventSink = Callable[[KVCacheEvent], None]
 
 
+@dataclass
+class Observation:
+    """What one store call saw, for keeping an index of the store honest (issue 7 §6).
+
+    Every candidate key ``(h, n)`` with ``h`` in ``block_hashes`` and ``1 <= n <= chunk_blocks``
+    was checked at one moment; ``present`` are the ones found visible (and not found bad on
+    read), ``gone`` the ones a read found missing or corrupt (corrupt ones were deleted). So for
+    each ``h`` in ``block_hashes`` the chunks ending at ``h`` are exactly those in ``present``."""
+
+    block_hashes: list[int]
+    present: list[ChunkKey]
+    gone: list[ChunkKey] = field(default_factory=list)
+
+
+ObservationSink = Callable[[Observation], None]
+
+
 class PendingWrite(ABC):
     """One chunk on its way into the store (ALLOCATED until :meth:`write`, then WRITING).
 
@@ -306,6 +323,7 @@ class KVStore(ABC):
         self.capacity_bytes = int(capacity_bytes)
         self.chunk_blocks = int(chunk_blocks)
         self.event_sink = event_sink
+        self.observation_sink: ObservationSink | None = None
         self.stale_timeout_s = float(stale_timeout_s)
         self._lock = threading.Lock()
         self._st = StoreStats()
@@ -347,6 +365,12 @@ class KVStore(ABC):
     def close(self) -> None:
         """Release connections/handles (idempotent)."""
 
+    def list_visible(self) -> list[ChunkKey]:
+        """Keys ``(last_block_hash, n_blocks)`` of every VISIBLE chunk, as of one scan (a
+        snapshot from which an index of the store is rebuilt; O(chunks)).
+        Raises: StoreUnavailable."""
+        return [k for k, _ in self._scan()]
+
     def evict_to(self, max_bytes: int) -> int:
         """Evict least-recently-used visible chunks until at most ``max_bytes`` remain
         (emits ``BlockRemoved`` for every block of each evicted chunk). Returns chunks evicted.
@@ -362,8 +386,41 @@ class KVStore(ABC):
                 pass
 
     def _emit_removed(self, hashes: list[int]) -> None:
+        """``BlockRemoved`` for ONE chunk: its block hashes in chain order (or just its last
+        hash when the others are unknown). One event per chunk, so that a reader keyed by
+        chunk (``cpd.router.index``) knows exactly which chunk went."""
         if hashes:
-            self._emit(BlockRemoved(block_hashes=hashes, medium=MEDIUM_L3))
+            self._emit(BlockRemoved(block_hashes=[int(h) for h in hashes], medium=MEDIUM_L3))
+
+    def _emit_stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int] | None,
+                     block_size: int) -> None:
+        """``BlockStored`` for ONE visible chunk (hashes in chain order)."""
+        self._emit(BlockStored(block_hashes=[int(h) for h in hashes],
+                               parent_block_hash=None if parent is None else int(parent),
+                               token_ids=[] if token_ids is None else [int(t) for t in token_ids],
+                               block_size=int(block_size), medium=MEDIUM_L3))
+
+    def _announce_existing(self, keys: Iterable[ChunkKey], hs: list[int], parent_block_hash: int | None,
+                           token_ids: Sequence[int] | None, block_size: int) -> None:
+        """Re-publish ``BlockStored`` for visible chunks lying wholly inside ``hs`` (a chain from
+        its first block), so that an index that lost them (router restart, lost events)
+        relearns them from the next writer that meets them."""
+        pos_of = {h: i for i, h in enumerate(hs)}
+        for last, n in sorted(set(keys), key=lambda k: pos_of.get(k[0], -1)):
+            j = pos_of.get(last)
+            if j is None or j - n + 1 < 0:
+                continue
+            s = j - n + 1
+            parent = parent_block_hash if s == 0 else hs[s - 1]
+            toks = None if token_ids is None or not block_size else token_ids[s * block_size:(j + 1) * block_size]
+            self._emit_stored(hs[s:j + 1], parent, toks, block_size)
+
+    def _observe(self, obs: Observation) -> None:
+        if self.observation_sink is not None:
+            try:
+                self.observation_sink(obs)
+            except Exception:  # never break the data path
+                pass
 
     def _bump(self, **kw) -> None:
         with self._lock:
@@ -400,46 +457,62 @@ class KVStore(ABC):
         ranges = split_chunks(n, self.chunk_blocks)
         hs_all = [int(h) for h in block_hashes]
         if skip_existing:
-            # one batched probe; chunks whose blocks are all already covered are not rewritten
-            keys = candidate_keys(hs_all, self.chunk_blocks)
-            covered = [False] * n
-            pos_of = {h: i for i, h in enumerate(hs_all)}
-            for k, there in zip(keys, self._exists_many(keys)):
-                if there:
-                    j = pos_of[k[0]]
-                    for p in range(max(0, j - k[1] + 1), j + 1):
-                        covered[p] = True
-            kept = [(s, e) for s, e in ranges if not all(covered[s:e])]
-            self._bump(blocks_dropped_existing=sum(e - s for s, e in ranges if (s, e) not in kept))
-            ranges = kept
+            ranges = self._skip_existing(hs_all, ranges, parent_block_hash, token_ids, bs)
         items = []
         for s, e in ranges:
-            hs = [int(h) for h in block_hashes[s:e]]
-            items.append(((hs[-1], e - s), encode_parts(hs, blocks[s:e], bs)))
+            items.append(((hs_all[e - 1], e - s), encode_parts(hs_all[s:e], blocks[s:e], bs)))
         won = self._put_many(items)
         stored = 0
+        lost = []
         for (s, e), ok in zip(ranges, won):
-            if not ok:
+            if not ok:  # another writer sealed this very chunk first: it is visible, re-announce it
                 self._bump(blocks_dropped_existing=e - s)
+                lost.append((hs_all[e - 1], e - s))
                 continue
             stored += e - s
-            parent = parent_block_hash if s == 0 else int(block_hashes[s - 1])
-            toks = [] if token_ids is None or bs == 0 else [int(t) for t in token_ids[s * bs:e * bs]]
-            self._emit(BlockStored(block_hashes=[int(h) for h in block_hashes[s:e]],
-                                   parent_block_hash=None if parent is None else int(parent),
-                                   token_ids=toks, block_size=bs, medium=MEDIUM_L3))
+            parent = parent_block_hash if s == 0 else hs_all[s - 1]
+            toks = None if token_ids is None or bs == 0 else token_ids[s * bs:e * bs]
+            self._emit_stored(hs_all[s:e], parent, toks, bs)
+        self._announce_existing(lost, hs_all, parent_block_hash, token_ids, bs)
         self._bump(puts=1, blocks_written=stored)
         return stored
 
-    def lookup_prefix(self, block_hashes: Sequence[int]) -> int:
+    def _skip_existing(self, hs: list[int], ranges: list[tuple[int, int]], parent_block_hash: int | None,
+                       token_ids: Sequence[int] | None, bs: int) -> list[tuple[int, int]]:
+        """One batched probe; chunks whose blocks are all visible already are not rewritten,
+        and the visible chunks found are re-announced (``BlockStored``)."""
+        keys = candidate_keys(hs, self.chunk_blocks)
+        present = [k for k, there in zip(keys, self._exists_many(keys)) if there]
+        covered = [False] * len(hs)
+        pos_of = {h: i for i, h in enumerate(hs)}
+        for last, m in present:
+            j = pos_of[last]
+            for p in range(max(0, j - m + 1), j + 1):
+                covered[p] = True
+        kept = [(s, e) for s, e in ranges if not all(covered[s:e])]
+        self._bump(blocks_dropped_existing=sum(e - s for s, e in ranges if (s, e) not in kept))
+        self._announce_existing(present, hs, parent_block_hash, token_ids, bs)
+        return kept
+
+    def lookup_prefix(self, block_hashes: Sequence[int], *, announce: bool = False,
+                      parent_block_hash: int | None = None, token_ids: Sequence[int] | None = None,
+                      block_size: int = 0) -> int:
         """Number of leading blocks of ``block_hashes`` held VISIBLY (one batched probe).
 
-        Raises: StoreUnavailable."""
+        With ``announce`` (a writer about to skip what exists; ``block_hashes`` then start a
+        chain, ``parent_block_hash``/``token_ids``/``block_size`` describe them as for
+        :meth:`put_blocks`), the visible chunks covering the leading blocks are re-announced
+        with ``BlockStored``. Raises: StoreUnavailable."""
         if not block_hashes:
             return 0
-        keys = candidate_keys(block_hashes, self.chunk_blocks)
+        hs = [int(h) for h in block_hashes]
+        keys = candidate_keys(hs, self.chunk_blocks)
         present = dict(zip(keys, self._exists_many(keys)))
-        return cover(present, [int(h) for h in block_hashes], self.chunk_blocks)[0]
+        self._observe(Observation(hs, [k for k, there in present.items() if there]))
+        covered, chain = cover(present, hs, self.chunk_blocks)
+        if announce:
+            self._announce_existing([c[2] for c in chain], hs, parent_block_hash, token_ids, block_size)
+        return covered
 
     def contains(self, block_hash: int) -> bool:
         """Whether a visible chunk ends at ``block_hash``. Raises: StoreUnavailable."""
@@ -447,7 +520,9 @@ class KVStore(ABC):
 
     def read_blocks(self, block_hashes: Sequence[int]) -> tuple[list[np.ndarray] | None, str]:
         """Like :meth:`get_blocks` but also says why: ``(blocks, "ok")``, ``(None, "miss")``
-        or ``(None, "corrupt")`` (a corrupt entry was invalidated). Raises: StoreUnavailable."""
+        or ``(None, "corrupt")`` (a corrupt entry was invalidated). Reports an
+        :class:`Observation` naming exactly the chunks found present and those found missing
+        or corrupt. Raises: StoreUnavailable."""
         self._bump(gets=1)
         hs = [int(h) for h in block_hashes]
         if not hs:
@@ -455,20 +530,35 @@ class KVStore(ABC):
         if self.chunk_blocks == 1:
             # one key per block: no probe needed, fetch everything in one round trip
             chain = [(j, j, (h, 1)) for j, h in enumerate(hs)]
+            present = {c[2]: True for c in chain}
         else:
             keys = candidate_keys(hs, self.chunk_blocks)
             present = dict(zip(keys, self._exists_many(keys)))
             covered, chain = cover(present, hs, self.chunk_blocks)
             if covered < len(hs):
+                self._observe(Observation(hs, [k for k, there in present.items() if there]))
                 self._bump(misses=1)
                 return None, "miss"
+        out, reason, gone = self._read_chain(hs, chain)
+        self._observe(Observation(hs, [k for k, there in present.items() if there and k not in gone], gone))
+        if reason != "ok":
+            self._bump(misses=1)
+            return None, reason
+        self._bump(hits=1)
+        return out[:len(hs)], "ok"
+
+    def _read_chain(self, hs: list[int], chain: list[tuple[int, int, ChunkKey]]
+                    ) -> tuple[list[np.ndarray], str, list[ChunkKey]]:
+        """Fetch and verify a chain of chunks: ``(blocks, reason, keys missing or corrupt)``."""
         raws = self._get_many([c[2] for c in chain])
         out: list[np.ndarray] = []
+        gone: list[ChunkKey] = []
         pos = 0
         reason = "ok"
         for (start, end, key), raw in zip(chain, raws):
             if raw is None:
                 reason = "miss" if reason == "ok" else reason
+                gone.append(key)
                 continue
             try:
                 ch = decode_value(raw, expect_last=key[0], expect_n=key[1])
@@ -479,15 +569,12 @@ class KVStore(ABC):
             except CorruptValue:
                 self._handle_corrupt(key, raw)
                 reason = "corrupt"
+                gone.append(key)
                 continue
             if reason == "ok":
                 out.extend(ch.blocks[pos - start:])
                 pos = end + 1
-        if reason != "ok":
-            self._bump(misses=1)
-            return None, reason
-        self._bump(hits=1)
-        return out[:len(hs)], "ok"
+        return out, reason, gone
 
     def get_blocks(self, block_hashes: Sequence[int]) -> list[np.ndarray] | None:
         """Read blocks (checksums verified).
@@ -516,24 +603,30 @@ class KVStore(ABC):
             self._emit_removed(hashes)
 
     def delete(self, block_hashes: Sequence[int]) -> int:
-        """Delete every chunk ending at one of ``block_hashes``; emits ``BlockRemoved`` with
-        those hashes (for ``chunk_blocks > 1`` the removed chunks' earlier blocks are not
-        named — the router treats them as stale and corrects on load). Returns chunks removed.
+        """Delete every chunk ending at one of ``block_hashes``; emits one ``BlockRemoved`` per
+        removed chunk, naming its blocks in chain order as far as ``block_hashes`` (taken as
+        a chain) contains them, else just its last hash. Returns chunks removed.
         Raises: StoreUnavailable."""
-        keys = candidate_keys(block_hashes, self.chunk_blocks)
+        hs = [int(h) for h in block_hashes]
+        keys = candidate_keys(hs, self.chunk_blocks)
         if not keys:
             return 0
         gone = self._delete_keys(keys)
-        removed = sorted({k[0] for k, g in zip(keys, gone) if g})
-        self._emit_removed(removed)
+        pos_of = {h: i for i, h in enumerate(hs)}
+        for (last, n), g in zip(keys, gone):
+            if g:
+                j = pos_of[last]
+                self._emit_removed(hs[j - n + 1:j + 1] if j - n + 1 >= 0 else [last])
         return sum(gone)
 
     def clear(self) -> int:
-        """Delete every visible chunk (and stale staging data); emits ``BlockRemoved``.
-        Returns chunks removed. Raises: StoreUnavailable."""
-        keys = [k for k, _ in self._scan()]
+        """Delete every visible chunk (and stale staging data); emits one ``BlockRemoved`` per
+        chunk (its last hash). Returns chunks removed. Raises: StoreUnavailable."""
+        keys = self.list_visible()
         gone = self._delete_keys(keys) if keys else []
-        self._emit_removed(sorted({k[0] for k, g in zip(keys, gone) if g}))
+        for k, g in zip(keys, gone):
+            if g:
+                self._emit_removed([k[0]])
         self.reclaim_stale(0.0)
         return sum(gone)
 

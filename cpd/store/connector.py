@@ -11,19 +11,26 @@ by kind:
 * ``"miss"`` — load found a block missing (e.g. evicted after lookup: a stale index);
 * ``"queue_full"`` — an async save dropped because the write queue was full;
 * ``"write_error"`` — any other exception while saving (logged in :attr:`last_error`).
+
+Observations (issue 7 §6): every probe and read the store makes reports what it found
+(:class:`~cpd.store.base.Observation`: for each probed block hash, exactly which chunks end
+there; which chunks a read found missing or corrupt). The connector keeps the latest
+``max_observations`` of them; the worker hands them to the router with each prefill answer
+(:meth:`L3Connector.drain_observations`), so the router's L3 index converges to what the
+store can serve — removing exactly what is gone, relearning what it lost.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import Sequence
 
 import numpy as np
 
 from cpd.engine.connector import EventSink
-from cpd.store.base import KVStore, StoreTimeout, StoreUnavailable
+from cpd.store.base import KVStore, Observation, StoreTimeout, StoreUnavailable
 
 
 class L3Connector:
@@ -36,13 +43,16 @@ class L3Connector:
             ``save`` so the engine may reuse its buffers immediately.
         max_queue: pending saves (calls) before new ones are dropped.
         max_pending_bytes: pending payload bytes before new saves are dropped.
+        max_observations: store observations kept until drained (oldest dropped first).
     """
 
     def __init__(self, store: KVStore, event_sink: EventSink | None = None, write_async: bool = True,
-                 max_queue: int = 64, max_pending_bytes: int = 512 << 20):
+                 max_queue: int = 64, max_pending_bytes: int = 512 << 20, max_observations: int = 256):
         self.store = store
         if event_sink is not None:
             store.event_sink = event_sink
+        self._observations: deque[Observation] = deque(maxlen=max_observations)
+        store.observation_sink = self._observations.append
         self.write_async = write_async
         self.fallback_counts: Counter[str] = Counter()
         self.blocks_saved = 0
@@ -74,6 +84,33 @@ class L3Connector:
         except StoreUnavailable:
             self._count("unavailable")
             return 0
+
+    def lookup_and_announce(self, block_hashes: Sequence[int], parent_block_hash: int | None,
+                            token_ids: Sequence[int], block_size: int) -> int:
+        """For a writer: leading blocks of a chain (``block_hashes`` from its first block) that
+        are VISIBLE in L3 — these need no write — and re-publish ``BlockStored(L3)`` for the
+        chunks covering them, so an index that lost them relearns them. 0 if unreachable."""
+        try:
+            return self.store.lookup_prefix(block_hashes, announce=True, parent_block_hash=parent_block_hash,
+                                            token_ids=token_ids, block_size=block_size)
+        except StoreTimeout:
+            self._count("timeout")
+            return 0
+        except StoreUnavailable:
+            self._count("unavailable")
+            return 0
+
+    def drain_observations(self) -> list[dict]:
+        """Observations since the last call, oldest first, as JSON-ready dicts
+        ``{"block_hashes": [...], "present": [[h, n], ...], "gone": [[h, n], ...]}``."""
+        out = []
+        while True:
+            try:
+                o = self._observations.popleft()
+            except IndexError:
+                return out
+            out.append({"block_hashes": o.block_hashes, "present": [list(k) for k in o.present],
+                        "gone": [list(k) for k in o.gone]})
 
     def load(self, block_hashes: Sequence[int]) -> list[np.ndarray] | None:
         """One array per block (checksum verified) or ``None`` (miss / corrupt / unreachable).

@@ -300,7 +300,6 @@ class FileStore(KVStore):
             entries.append((st.st_mtime_ns, k, st.st_size))
             total += st.st_size
         entries.sort()
-        removed: list[int] = []
         n = 0
         for _, k, size in entries:
             if total <= max_bytes:
@@ -317,9 +316,8 @@ class FileStore(KVStore):
             except OSError as e:
                 raise self._unavailable(e)
             n += 1
-            removed.extend(hs if hs and hs[-1] == k[0] else [k[0]])
+            self._emit_removed(hs if hs and hs[-1] == k[0] and len(hs) == k[1] else [k[0]])
         self._used_est = total
         self._last_scan = time.monotonic()
-        self._emit_removed(sorted(set(removed)))
         self._bump(evicted=n)
         return n

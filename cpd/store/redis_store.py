@@ -320,11 +320,11 @@ class RedisStore(KVStore):
             return list(self._forget_s(keys=self.meta_keys, args=names))
 
     def _removed(self, keys: list[ChunkKey], infos: list) -> None:
-        """Publish ``BlockRemoved`` naming every block of each removed chunk."""
-        hs: list[int] = []
+        """Publish one ``BlockRemoved`` per removed chunk naming its blocks (from the
+        bookkeeping; just the last hash when that is gone)."""
         for k, info in zip(keys, infos):
-            hs.extend(_info_hashes(info) or [k[0]])
-        self._emit_removed(sorted(set(hs)))
+            hs = _info_hashes(info)
+            self._emit_removed(hs if hs and hs[-1] == k[0] and len(hs) == k[1] else [k[0]])
 
     def used_bytes(self) -> int:
         """Visible bytes according to the bookkeeping (0 unless tracking). Raises: StoreUnavailable."""
@@ -457,6 +457,14 @@ class RedisStore(KVStore):
 
     def _scan_names(self, match: str) -> list:
         return list(self.r.scan_iter(match=match, count=1000))
+
+    def list_visible(self) -> list[ChunkKey]:
+        """Chunk keys from ``SCAN`` (every primary of a cluster), without the size round trip."""
+        stage = f"{self.prefix}stage:".encode()
+        with self._guard():
+            names = self._scan_names(f"{self.prefix}*")
+        keys = (self._parse(n) for n in names if not n.startswith(stage))
+        return [k for k in keys if k is not None]
 
     def _scan(self) -> Iterable[tuple[ChunkKey, int]]:
         with self._guard():

@@ -1,0 +1,147 @@
+"""The router's view of the shared L3 store, kept at the store's own granularity (issue 7 §6).
+
+The store serves *chunks* — ``n`` consecutive blocks of one chain, named by their last block
+hash (``cpd.store.base``). A request can load a chunk only if the chunk's last hash is one
+of the request's block hashes, so a per-block view would promise blocks in the middle of a
+chunk that the store cannot serve for that request. This view therefore holds what the store
+holds: chunk keys ``(last_hash, n_blocks)``, and matches a request the way the store's
+``lookup_prefix`` does (the longest run of leading blocks covered by chunks ending inside it).
+
+It converges to the store from four sources:
+
+* KV events: each L3 ``BlockStored``/``BlockRemoved`` names ONE chunk, its hashes in chain
+  order (cpd stores publish one event per chunk; with ``chunk_blocks`` set, an event is cut
+  into chunks of at most that many blocks from its start, as a per-block engine needs). A
+  removal naming a chunk size that is not known removes every chunk ending at that hash.
+* Observations reported by workers after they probed or read the store
+  (:meth:`L3View.observe`): for every probed hash, exactly the chunks found there; plus the
+  chunks a read found missing or corrupt. Nothing is inferred from ranges.
+* Re-announcements: writers re-publish ``BlockStored`` for chunks that already exist.
+* A snapshot (a store listing), taken at router start and after an event gap
+  (:meth:`begin_resync` / :meth:`finish_resync`): events and observations that arrive
+  while the listing is fetched are journaled and replayed on top of it, in order.
+
+Not thread-safe: the owner (:class:`cpd.router.index.PrefixIndex`) serialises calls.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+ChunkKey = tuple[int, int]
+
+
+class L3View:
+    """Visible L3 chunks: last block hash → chunk sizes ending there.
+
+    Args:
+        chunk_blocks: None (default) = each event names exactly one chunk; an int = events are
+            cut into chunks of at most this many blocks (1 for per-block publishers).
+    """
+
+    def __init__(self, chunk_blocks: int | None = None):
+        self.chunk_blocks = chunk_blocks
+        self._ends: dict[int, set[int]] = {}
+        self._max_n = 1
+        self._journal: list[tuple[str, tuple]] | None = None
+
+    # --- updates ---------------------------------------------------------------------
+    def stored(self, hashes: Sequence[int]) -> None:
+        """Apply one ``BlockStored(L3)``."""
+        self._log("stored", (list(hashes),))
+        for key in self._pieces(hashes):
+            self._add(key)
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        """Apply one ``BlockRemoved(L3)``."""
+        self._log("removed", (list(hashes),))
+        for last, n in self._pieces(hashes):
+            ns = self._ends.get(last)
+            if not ns:
+                continue
+            if n in ns:
+                ns.discard(n)
+            else:  # the event does not say which chunk: drop all ending there (relearned on use)
+                ns.clear()
+            if not ns:
+                del self._ends[last]
+
+    def observe(self, block_hashes: Sequence[int], present: Iterable[ChunkKey], gone: Iterable[ChunkKey] = ()) -> None:
+        """Apply what a worker saw in the store: for each of ``block_hashes`` the chunks ending
+        there are exactly those in ``present``; ``gone`` chunks were found missing/corrupt."""
+        present = [(int(h), int(n)) for h, n in present]
+        gone = [(int(h), int(n)) for h, n in gone]
+        self._log("observe", (list(block_hashes), present, gone))
+        for h in block_hashes:
+            self._ends.pop(int(h), None)
+        for key in present:
+            self._add(key)
+        for key in gone:
+            self.discard(key)
+
+    def discard(self, key: ChunkKey) -> None:
+        ns = self._ends.get(key[0])
+        if ns is not None:
+            ns.discard(key[1])
+            if not ns:
+                del self._ends[key[0]]
+
+    def begin_resync(self) -> None:
+        """Start journaling updates: a store listing is being taken."""
+        self._journal = []
+
+    def finish_resync(self, keys: Iterable[ChunkKey]) -> None:
+        """Replace the view by a store listing, then replay what arrived meanwhile."""
+        journal, self._journal = self._journal or [], None
+        self._ends = {}
+        self._max_n = 1
+        for key in keys:
+            self._add((int(key[0]), int(key[1])))
+        for op, args in journal:
+            getattr(self, op)(*args)
+
+    def abort_resync(self) -> None:
+        self._journal = None
+
+    @property
+    def resyncing(self) -> bool:
+        return self._journal is not None
+
+    # --- queries ---------------------------------------------------------------------
+    def leading(self, block_hashes: Sequence[int], max_blocks: int | None = None) -> int:
+        """Leading blocks of ``block_hashes[:max_blocks]`` the store can serve: covered by
+        chunks whose last hash is among them (what ``KVStore.lookup_prefix`` answers)."""
+        hs = block_hashes if max_blocks is None else block_hashes[:max(0, max_blocks)]
+        covered = 0
+        for j, h in enumerate(hs):
+            ns = self._ends.get(h)
+            if ns and j - max(ns) + 1 <= covered:
+                covered = j + 1
+            elif j - covered >= self._max_n:
+                break  # no chunk ending further on can reach back to the covered run
+        return covered
+
+    def num_chunks(self) -> int:
+        return sum(len(ns) for ns in self._ends.values())
+
+    def num_blocks(self) -> int:
+        """Blocks named by the chunks (a block in two chunks counts twice)."""
+        return sum(sum(ns) for ns in self._ends.values())
+
+    def keys(self) -> list[ChunkKey]:
+        return sorted((h, n) for h, ns in self._ends.items() for n in ns)
+
+    # --- internals -------------------------------------------------------------------
+    def _pieces(self, hashes: Sequence[int]) -> list[ChunkKey]:
+        hs = [int(h) for h in hashes]
+        if not hs:
+            return []
+        step = self.chunk_blocks or len(hs)
+        return [(hs[min(s + step, len(hs)) - 1], min(s + step, len(hs)) - s) for s in range(0, len(hs), step)]
+
+    def _add(self, key: ChunkKey) -> None:
+        self._ends.setdefault(key[0], set()).add(key[1])
+        self._max_n = max(self._max_n, key[1])
+
+    def _log(self, op: str, args: tuple) -> None:
+        if self._journal is not None:
+            self._journal.append((op, args))
