@@ -30,6 +30,8 @@ def serve(
     port: int = typer.Option(8000),
     num_blocks: int = typer.Option(2048, help="L1 KV blocks per worker"),
     l3_chunk_blocks: int = typer.Option(0, help="blocks per L3 store value (0 = URL's chunk_blocks or 1)"),
+    l3_capacity: str = typer.Option("", help="L3 store capacity, e.g. 8G (0 = unlimited; default: the URL's "
+                                             "capacity_bytes, else sized from the machine, see cpd.store.capacity)"),
     block_size: int = typer.Option(16, help="tokens per KV block"),
     host_kv_bytes: int = typer.Option(512 << 20, help="L2 host KV pool bytes per worker"),
     cold_threshold: float = typer.Option(0.5, help="reuse ratio below which a request is cold"),
@@ -59,7 +61,8 @@ def serve(
         num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, l3_chunk_blocks=l3_chunk_blocks, block_size=block_size,
         host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens,
         torch_threads=torch_threads, supervise=True, restart_backoff_s=restart_backoff_s,
-        restart_backoff_max_s=restart_backoff_max_s)
+        restart_backoff_max_s=restart_backoff_max_s,
+        worker_extra_args=["--l3-capacity-bytes", l3_capacity] if l3_capacity else [])
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("cpd.deploy").setLevel(logging.INFO)
     stop = {"flag": False, "started": False}

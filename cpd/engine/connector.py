@@ -35,6 +35,11 @@ class KVConnector(Protocol):
         engine then recomputes them; the connector invalidates what was corrupt)."""
         ...
 
+    # Optional (used when present, see cpd.store.connector.L3Connector):
+    #   lookup_and_announce(block_hashes, parent_block_hash, token_ids, block_size) -> int
+    #       like lookup for a writer, and re-publishes BlockStored(L3) for the visible chunks
+    #       found, so an index that lost them (router restart, lost events) relearns them.
+
     def save(self, block_hashes: Sequence[int], parent_block_hash: int | None,
              token_ids: Sequence[int], blocks: Sequence[np.ndarray]) -> None:
         """Write-through of full, computed blocks (``token_ids`` = their tokens, flat).

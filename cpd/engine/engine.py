@@ -605,7 +605,10 @@ class Engine:
         if r.l3_next is None:
             self._ensure_hashes(r, n_prompt_full)
             try:
-                r.l3_next = int(self.connector.lookup(r.hashes[:n_prompt_full]))
+                if announce is not None:
+                    r.l3_next = int(announce(r.hashes[:n_prompt_full], None, r.tokens[:n_prompt_full * bs], bs))
+                else:
+                    r.l3_next = int(self.connector.lookup(r.hashes[:n_prompt_full]))
             except Exception:
                 log.warning("L3 lookup failed before write-through", exc_info=True)
                 r.l3_next = 0
@@ -635,6 +638,9 @@ class Engine:
             plan = schedule(
                 [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
                 [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
+            # Blocks already visible are not rewritten but re-announced (BlockStored L3), so an
+            # index that lost them (router restart, lost events) relearns them (issue 7 §6).
+            announce = getattr(self.connector, "lookup_and_announce", None)
                 self.pool.num_free_blocks(), cfg)
             by_id = {r.id: r for r in self._running}
             by_id.update({r.id: r for r in prepared})

@@ -11,6 +11,7 @@ import logging
 from contextlib import asynccontextmanager
 
 import httpx
+import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -29,6 +30,7 @@ log = logging.getLogger("cpd.router")
 
 class Router:
     """Holds the router's state; :meth:`app` builds the FastAPI application."""
+L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
 
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
@@ -52,6 +54,8 @@ class Router:
         self.workers.on_recovered = self._resync_pending.add  # rebuild its index entries
 
     def _on_unhealthy(self, worker_id: str) -> None:
+        self._l3_resync_pending = True  # rebuild the L3 view from a store listing (start, gaps)
+        self._l3_resync_after = 0.0  # monotonic time before which no retry is made
         """A worker stopped answering: forget its L1/L2 blocks and count it."""
         self.index.drop_worker(worker_id)
         self.metrics.fallbacks.labels("worker_unhealthy").inc()
@@ -74,6 +78,7 @@ class Router:
         while True:
             for wid in list(self._resync_pending):
                 self._resync_pending.discard(wid)
+            self._l3_resync_pending = True  # its lost batches may have held L3 events
                 await self.resync(wid)
             for tier, n in self.index.sizes().items():
                 self.metrics.index_blocks.labels(tier).set(n)
@@ -85,8 +90,35 @@ class Router:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
             # Idle connections expire here (2 s) well before the workers close them (30 s), so a
+    async def resync_l3(self) -> None:
+        """Rebuild the L3 view from a store listing that a prefill-side worker takes
+        (``GET /l3_snapshot``); L3 events arriving meanwhile are journaled and replayed on top.
+        Done once one worker answers, or when none has a store; retried by the maintenance
+        loop otherwise (issue 7 §6: a restarted router relearns L3)."""
+        self._l3_resync_pending = False
+        for w in self.workers.by_id.values():
+            if w.role == "decode" or not getattr(w, "usable", w.healthy):
+                continue
+            self.index.begin_l3_resync()
+            try:
+                r = await self.client.get(f"{w.url}/l3_snapshot", timeout=30.0)
+                if r.status_code == 200:
+                    self.index.finish_l3_resync(tuple(k) for k in r.json()["chunks"])
+                    return
+                self.index.abort_l3_resync()
+                if r.status_code == 404:  # no store on this worker
+                    continue
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                self.index.abort_l3_resync()
+                log.warning("L3 resync via %s failed: %r", w.worker_id, e)
+            self._l3_resync_pending = True  # store or worker unreachable: try again later
+            return
+
             # request never races a server-side keep-alive close.
             router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+            if self._l3_resync_pending and time.monotonic() >= self._l3_resync_after:
+                self._l3_resync_after = time.monotonic() + L3_RESYNC_RETRY_S
+                await self.resync_l3()
                                                                   keepalive_expiry=2.0))
             router.backend.client = router.client
             router.subscriber = EventSubscriber(router._on_batch)
@@ -110,6 +142,7 @@ class Router:
 
         @app.get("/metrics")
         async def metrics():
+            await router.resync_l3()
             return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
         @app.get("/cpd/workers")

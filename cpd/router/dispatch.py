@@ -61,7 +61,7 @@ class CPDBackend:
 
     def decide(self, req: GenerationRequest) -> tuple[RouteDecision, list[int]]:
         hashes = hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt))
-        match = self.index.match(hashes)
+        match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
         try:
             d = route(len(req.prompt_token_ids), match, self.workers.snapshots(), self.cfg, self.estimates.model())
         except NoWorkerError as e:
@@ -196,15 +196,16 @@ class CPDBackend:
             w.running_requests -= 1
 
     def _correct_stale_index(self, d: RouteDecision, pre: dict, hashes: list[int]) -> None:
-        """The index promised L3 blocks the worker did not find (evicted or lost without an
-        event): count the fallback and drop those blocks from the index (DESIGN §4)."""
+        """Bring the L3 view in line with what the worker found in the store (issue 7 §6): it
+        reports, per probe or read, exactly which chunks were present and which were missing
+        or corrupt, and only those change — valid chunks before or after a bad one stay, and
+        chunks the index had lost are relearned. A plan that promised more L3 blocks than were
+        loaded is counted as ``stale_index`` (DESIGN §4)."""
+        for obs in pre.get("l3_observations") or []:
+            self.index.observe_l3(obs["block_hashes"], [tuple(k) for k in obs["present"]],
+                                  [tuple(k) for k in obs["gone"]])
         plan = d.load_plan
-        if not plan.l3_blocks:
-            return
-        got_blocks = sum(pre["num_cached_tokens_by_tier"].values()) // self.cfg.block_size
-        if got_blocks < plan.num_cached_blocks:
-            start = max(got_blocks, plan.l1_blocks + plan.l2_blocks)
-            self.index.discard_l3(hashes[start:plan.num_cached_blocks])
+        if plan.l3_blocks and pre["num_cached_tokens_by_tier"].get("L3", 0) < plan.l3_blocks * self.cfg.block_size:
             self.metrics.fallbacks.labels("stale_index").inc()
 
     def _remember(self, req: GenerationRequest, d: RouteDecision, pre: dict, ttft_s: float) -> None:

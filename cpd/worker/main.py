@@ -30,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--events-port", type=int, required=True)
     p.add_argument("--kv-store", default="", help="L3 store URL (file://DIR or redis://HOST:PORT); empty = none")
     p.add_argument("--l3-chunk-blocks", type=int, default=0,
+    p.add_argument("--l3-capacity-bytes", default="",
+                   help="L3 store capacity (bytes, or 512M/2G; 0 = unlimited); empty = the URL's "
+                        "capacity_bytes, else a default sized from the machine (cpd.store.capacity)")
                    help="blocks per L3 value; 0 = the URL's chunk_blocks or 1 (processes sharing a store must agree)")
     p.add_argument("--num-blocks", type=int, default=1024, help="L1 KV blocks")
     p.add_argument("--block-size", type=int, default=16)
@@ -58,7 +61,10 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     if a.kv_store and a.role != "decode":
         from cpd.store import open_store
         from cpd.store.connector import L3Connector
-        connector = L3Connector(open_store(a.kv_store, chunk_blocks=a.l3_chunk_blocks or None), event_sink=publisher.emit)
+        from cpd.store import parse_size
+        cap = parse_size(a.l3_capacity_bytes) if a.l3_capacity_bytes else None
+        connector = L3Connector(open_store(a.kv_store, chunk_blocks=a.l3_chunk_blocks or None, capacity_bytes=cap),
+                                event_sink=publisher.emit)
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             max_prefill_chunk_tokens=a.max_prefill_chunk_tokens, block_size=a.block_size)
     engine = Engine(a.model, num_blocks=a.num_blocks, block_size=a.block_size, host_kv_bytes=a.host_kv_bytes,

@@ -146,6 +146,12 @@ def build_app(st: WorkerState) -> FastAPI:
 async def _prefill(st: WorkerState, body: dict, request: Request):
     """Run the prompt to its first token and stage its KV. Whatever goes wrong after the
     request entered the engine (client gone, engine error, bug), it is aborted and its staged
+    @app.get("/l3_snapshot")
+    async def l3_snapshot():
+        """Every visible L3 chunk ``[last_hash, n_blocks]`` (a store listing, for the router to
+        rebuild its L3 view); 404 if this worker has no store, 503 if the store is unreachable."""
+        return await _l3_snapshot(st)
+
     KV released, so no block outlives the call."""
     from cpd.engine.engine import EngineRequest
     rid = body["request_id"]
@@ -179,7 +185,8 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
             "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
             "queue_s": out.queue_s, "compute_s": prefill_s - (out.queue_s or 0.0), "handoff": None, "kv_bytes": 0,
-            "fallback": st.new_fallbacks(), "transfers": st.new_transfers()}
+            "fallback": st.new_fallbacks(), "transfers": st.new_transfers(),
+            "l3_observations": _drain_l3_observations(st)}
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
 
@@ -229,6 +236,24 @@ async def _decode(st: WorkerState, body: dict, request: Request):
         return JSONResponse({"error": f"bad decode request: {e}"}, status_code=400)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
+
+
+def _drain_l3_observations(st: WorkerState) -> list[dict]:
+    """What the L3 store showed since the last answer (router keeps its L3 view honest)."""
+    drain = getattr(st.connector, "drain_observations", None)
+    return drain() if drain is not None else []
+
+
+async def _l3_snapshot(st: WorkerState):
+    store = getattr(st.connector, "store", None)
+    if store is None:
+        return JSONResponse({"error": "no L3 store"}, status_code=404)
+    from cpd.store import StoreUnavailable
+    try:
+        keys = await asyncio.to_thread(store.list_visible)
+    except StoreUnavailable as e:
+        return JSONResponse({"error": f"L3 store unavailable: {e}"}, status_code=503)
+    return {"chunk_blocks": store.chunk_blocks, "chunks": [[int(h), int(n)] for h, n in keys]}
 
 
 async def _release(st: WorkerState, handle: dict, rid: str) -> None:
