@@ -604,6 +604,9 @@ class Engine:
         n_prompt_full = r.prompt_len // bs
         if r.l3_next is None:
             self._ensure_hashes(r, n_prompt_full)
+            # Blocks already visible are not rewritten but re-announced (BlockStored L3), so an
+            # index that lost them (router restart, lost events) relearns them (issue 7 §6).
+            announce = getattr(self.connector, "lookup_and_announce", None)
             try:
                 if announce is not None:
                     r.l3_next = int(announce(r.hashes[:n_prompt_full], None, r.tokens[:n_prompt_full * bs], bs))
@@ -638,9 +641,6 @@ class Engine:
             plan = schedule(
                 [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
                 [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
-            # Blocks already visible are not rewritten but re-announced (BlockStored L3), so an
-            # index that lost them (router restart, lost events) relearns them (issue 7 §6).
-            announce = getattr(self.connector, "lookup_and_announce", None)
                 self.pool.num_free_blocks(), cfg)
             by_id = {r.id: r for r in self._running}
             by_id.update({r.id: r for r in prepared})

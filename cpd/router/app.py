@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 
 import httpx
-import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
@@ -26,11 +26,11 @@ from cpd.router.openai_api import create_app
 from cpd.router.workers import WorkerInfo, WorkerSet
 
 log = logging.getLogger("cpd.router")
+L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
 
 
 class Router:
     """Holds the router's state; :meth:`app` builds the FastAPI application."""
-L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
 
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
@@ -50,12 +50,12 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
         self.client: httpx.AsyncClient | None = None
         self.backend: CPDBackend | None = None
         self._resync_pending: set[str] = set()
+        self._l3_resync_pending = True  # rebuild the L3 view from a store listing (start, gaps)
+        self._l3_resync_after = 0.0  # monotonic time before which no retry is made
         self.workers.on_unhealthy = self._on_unhealthy
         self.workers.on_recovered = self._resync_pending.add  # rebuild its index entries
 
     def _on_unhealthy(self, worker_id: str) -> None:
-        self._l3_resync_pending = True  # rebuild the L3 view from a store listing (start, gaps)
-        self._l3_resync_after = 0.0  # monotonic time before which no retry is made
         """A worker stopped answering: forget its L1/L2 blocks and count it."""
         self.index.drop_worker(worker_id)
         self.metrics.fallbacks.labels("worker_unhealthy").inc()
@@ -63,6 +63,7 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
     def _on_batch(self, worker_id: str, seq: int, batch) -> None:
         if not self.index.apply_batch(worker_id, seq, batch):
             self._resync_pending.add(worker_id)
+            self._l3_resync_pending = True  # its lost batches may have held L3 events
 
     async def resync(self, worker_id: str) -> None:
         """Rebuild one worker's L1/L2 index entries from its snapshot."""
@@ -74,22 +75,6 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
         except (httpx.HTTPError, ValueError, KeyError) as e:
             log.warning("resync of %s failed: %r", worker_id, e)
 
-    async def _maintenance(self) -> None:
-        while True:
-            for wid in list(self._resync_pending):
-                self._resync_pending.discard(wid)
-            self._l3_resync_pending = True  # its lost batches may have held L3 events
-                await self.resync(wid)
-            for tier, n in self.index.sizes().items():
-                self.metrics.index_blocks.labels(tier).set(n)
-            await asyncio.sleep(0.2)
-
-    def app(self) -> FastAPI:
-        router = self
-
-        @asynccontextmanager
-        async def lifespan(app: FastAPI):
-            # Idle connections expire here (2 s) well before the workers close them (30 s), so a
     async def resync_l3(self) -> None:
         """Rebuild the L3 view from a store listing that a prefill-side worker takes
         (``GET /l3_snapshot``); L3 events arriving meanwhile are journaled and replayed on top.
@@ -114,11 +99,26 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
             self._l3_resync_pending = True  # store or worker unreachable: try again later
             return
 
-            # request never races a server-side keep-alive close.
-            router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+    async def _maintenance(self) -> None:
+        while True:
             if self._l3_resync_pending and time.monotonic() >= self._l3_resync_after:
                 self._l3_resync_after = time.monotonic() + L3_RESYNC_RETRY_S
                 await self.resync_l3()
+            for wid in list(self._resync_pending):
+                self._resync_pending.discard(wid)
+                await self.resync(wid)
+            for tier, n in self.index.sizes().items():
+                self.metrics.index_blocks.labels(tier).set(n)
+            await asyncio.sleep(0.2)
+
+    def app(self) -> FastAPI:
+        router = self
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            # Idle connections expire here (2 s) well before the workers close them (30 s), so a
+            # request never races a server-side keep-alive close.
+            router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                                                   keepalive_expiry=2.0))
             router.backend.client = router.client
             router.subscriber = EventSubscriber(router._on_batch)
@@ -126,6 +126,7 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
                 router.subscriber.add(w.worker_id, w.events_endpoint)
             await asyncio.sleep(0.2)  # let SUB sockets connect before the snapshot
             await asyncio.gather(*(router.resync(w) for w in router.workers.by_id))
+            await router.resync_l3()
             tasks = [asyncio.create_task(router.workers.run_poller(router.client)),
                      asyncio.create_task(router._maintenance())]
             yield
@@ -142,7 +143,6 @@ L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
 
         @app.get("/metrics")
         async def metrics():
-            await router.resync_l3()
             return Response(router.metrics.render(), media_type="text/plain; version=0.0.4")
 
         @app.get("/cpd/workers")

@@ -30,10 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--events-port", type=int, required=True)
     p.add_argument("--kv-store", default="", help="L3 store URL (file://DIR or redis://HOST:PORT); empty = none")
     p.add_argument("--l3-chunk-blocks", type=int, default=0,
+                   help="blocks per L3 value; 0 = the URL's chunk_blocks or 1 (processes sharing a store must agree)")
     p.add_argument("--l3-capacity-bytes", default="",
                    help="L3 store capacity (bytes, or 512M/2G; 0 = unlimited); empty = the URL's "
                         "capacity_bytes, else a default sized from the machine (cpd.store.capacity)")
-                   help="blocks per L3 value; 0 = the URL's chunk_blocks or 1 (processes sharing a store must agree)")
     p.add_argument("--num-blocks", type=int, default=1024, help="L1 KV blocks")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--host-kv-bytes", type=int, default=256 << 20, help="L2 host pool size in bytes")

@@ -114,6 +114,12 @@ def build_app(st: WorkerState) -> FastAPI:
         snap, seq = await asyncio.to_thread(snapshot)
         return {"seq": seq, "l1": snap.get("L1", []), "l2": snap.get("L2", [])}
 
+    @app.get("/l3_snapshot")
+    async def l3_snapshot():
+        """Every visible L3 chunk ``[last_hash, n_blocks]`` (a store listing, for the router to
+        rebuild its L3 view); 404 if this worker has no store, 503 if the store is unreachable."""
+        return await _l3_snapshot(st)
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         def reset():
@@ -146,12 +152,6 @@ def build_app(st: WorkerState) -> FastAPI:
 async def _prefill(st: WorkerState, body: dict, request: Request):
     """Run the prompt to its first token and stage its KV. Whatever goes wrong after the
     request entered the engine (client gone, engine error, bug), it is aborted and its staged
-    @app.get("/l3_snapshot")
-    async def l3_snapshot():
-        """Every visible L3 chunk ``[last_hash, n_blocks]`` (a store listing, for the router to
-        rebuild its L3 view); 404 if this worker has no store, 503 if the store is unreachable."""
-        return await _l3_snapshot(st)
-
     KV released, so no block outlives the call."""
     from cpd.engine.engine import EngineRequest
     rid = body["request_id"]
@@ -205,6 +205,24 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     return resp
 
 
+def _drain_l3_observations(st: WorkerState) -> list[dict]:
+    """What the L3 store showed since the last answer (router keeps its L3 view honest)."""
+    drain = getattr(st.connector, "drain_observations", None)
+    return drain() if drain is not None else []
+
+
+async def _l3_snapshot(st: WorkerState):
+    store = getattr(st.connector, "store", None)
+    if store is None:
+        return JSONResponse({"error": "no L3 store"}, status_code=404)
+    from cpd.store import StoreUnavailable
+    try:
+        keys = await asyncio.to_thread(store.list_visible)
+    except StoreUnavailable as e:
+        return JSONResponse({"error": f"L3 store unavailable: {e}"}, status_code=503)
+    return {"chunk_blocks": store.chunk_blocks, "chunks": [[int(h), int(n)] for h, n in keys]}
+
+
 def _self_url(request: Request) -> str:
     return f"{request.url.scheme}://{request.url.netloc}"
 
@@ -236,24 +254,6 @@ async def _decode(st: WorkerState, body: dict, request: Request):
         return JSONResponse({"error": f"bad decode request: {e}"}, status_code=400)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
-
-
-def _drain_l3_observations(st: WorkerState) -> list[dict]:
-    """What the L3 store showed since the last answer (router keeps its L3 view honest)."""
-    drain = getattr(st.connector, "drain_observations", None)
-    return drain() if drain is not None else []
-
-
-async def _l3_snapshot(st: WorkerState):
-    store = getattr(st.connector, "store", None)
-    if store is None:
-        return JSONResponse({"error": "no L3 store"}, status_code=404)
-    from cpd.store import StoreUnavailable
-    try:
-        keys = await asyncio.to_thread(store.list_visible)
-    except StoreUnavailable as e:
-        return JSONResponse({"error": f"L3 store unavailable: {e}"}, status_code=503)
-    return {"chunk_blocks": store.chunk_blocks, "chunks": [[int(h), int(n)] for h, n in keys]}
 
 
 async def _release(st: WorkerState, handle: dict, rid: str) -> None:
