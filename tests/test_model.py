@@ -161,14 +161,14 @@ def test_smollm2_matches_transformers():
     assert "Paris" in tok.decode(got)
 
 
-def test_digests_are_cached_and_track_content(tmp_path):
+def test_digests_track_content(tmp_path):
     from cpd.engine.weights import tokenizer_digest, weights_digest
 
     a = make_tiny_llama_dir(tmp_path / "a", seed=0)
     b = make_tiny_llama_dir(tmp_path / "b", seed=0)
     c = make_tiny_llama_dir(tmp_path / "c", seed=1)
     assert weights_digest(a) == weights_digest(b) != weights_digest(c)
-    assert (a / ".cpd_digests.json").exists() and weights_digest(a) == weights_digest(a)
-    assert tokenizer_digest(a) == tokenizer_digest(c) and len(tokenizer_digest(a)) == 64
+    assert weights_digest(a) == weights_digest(a)  # deterministic, computed from content each time
+    assert tokenizer_digest(a) == tokenizer_digest(c) and len(tokenizer_digest(a)) == 32
     (a / "tokenizer.json").write_text((a / "tokenizer.json").read_text() + " ")
     assert tokenizer_digest(a) != tokenizer_digest(c)

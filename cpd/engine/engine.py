@@ -13,6 +13,11 @@ Each :meth:`Engine.step` drains the inbox, prepares the head of the waiting queu
 scheduled tokens (prefill chunks and decodes together), registers newly full blocks
 in the prefix cache, writes through to L3 if asked, samples and checks stops.
 
+Failure isolation (one request never fails another): an exception attributable to one
+request (its prefix load / KV import, its sampling) finishes only that request with
+``finish_reason="error"``; an exception of the model forward finishes the requests that
+step scheduled. Blocks are freed either way and the engine keeps serving.
+
 Threading: :meth:`add_request`, :meth:`add_decode_request`, :meth:`abort` and
 :meth:`release` may be called from any thread; they enqueue a command that the
 next :meth:`step` applies (or apply it at once, in the caller's thread, when no
@@ -35,12 +40,13 @@ import numpy as np
 import torch
 
 from cpd.engine.connector import EventSink, KVConnector
+from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
 from cpd.engine.model import SeqBatchInfo, build_metadata
-from cpd.engine.sampling import SamplingParams, sample
+from cpd.engine.sampling import SamplingParams, greedy_tokens, sample
 from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for, schedule
-from cpd.engine.weights import load_model_dir, model_id_of, tokenizer_digest, weights_digest
+from cpd.engine.weights import load_model_dir_with_digest, model_id_of, tokenizer_digest
 from cpd.kv.block_hash import Namespace, hash_blocks
 
 log = logging.getLogger(__name__)
@@ -85,11 +91,14 @@ class StepOutput:
         finished: no more output will come for this request.
         finish_reason: ``"stop"`` (stop/EOS token, included in the output), ``"length"``
             (max_tokens or max_model_len), ``"abort"``, ``"handoff"`` (prefill-mode request
-            produced its first token; KV held until :meth:`Engine.release`), or None.
+            produced its first token; KV held until :meth:`Engine.release`), ``"error"``
+            (this request failed inside a step — see :attr:`error`; its blocks are freed and
+            the other requests go on), or None.
         num_cached_tokens_by_tier: on the request's first output only:
             ``{"L1": n, "L2": n, "L3": n}`` prompt tokens loaded instead of computed.
         queue_s: on the first output only: seconds from ``add_request`` to the step that
             first admitted the request (waiting time in this engine's queue).
+        error: with finish_reason ``"error"``: what failed (``repr`` of the exception).
     """
 
     request_id: str
@@ -98,6 +107,7 @@ class StepOutput:
     finish_reason: str | None = None
     num_cached_tokens_by_tier: dict[str, int] | None = None
     queue_s: float | None = None
+    error: str | None = None
 
 
 class _Req:
@@ -148,6 +158,7 @@ class Engine:
         model_id: namespace model id (default: config ``cpd_model_id`` or the dir name).
         adapter_id: namespace adapter id.
         seed: seed of the engine RNG used by unseeded sampling.
+        faults: test-only fault injection (:mod:`cpd.engine.faults`; default: none).
     Raises:
         FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
     """
@@ -156,11 +167,11 @@ class Engine:
                  scheduler_config: SchedulerConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, connector: KVConnector | None = None,
                  event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
-                 seed: int = 0):
+                 seed: int = 0, faults: FaultPlan | None = None):
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model, self.config = load_model_dir(self.model_dir, device=self.device, dtype=dtype)
+        self.model, self.config, digest = load_model_dir_with_digest(self.model_dir, device=self.device, dtype=dtype)
         cfg = self.config
         self.block_size = int(block_size)
         sc = scheduler_config or SchedulerConfig()
@@ -174,7 +185,7 @@ class Engine:
                            cfg.head_dim, dtype=dtype, device=self.device, event_sink=event_sink,
                            host_pool=self.host_pool)
         self._namespace = Namespace(
-            model_id=model_id or model_id_of(self.model_dir), weights_digest=weights_digest(self.model_dir),
+            model_id=model_id or model_id_of(self.model_dir), weights_digest=digest,
             tokenizer_digest=tokenizer_digest(self.model_dir), block_size=self.block_size,
             kv_dtype=str(dtype).replace("torch.", ""), adapter_id=adapter_id)
         self._gen = torch.Generator().manual_seed(seed)
@@ -192,6 +203,10 @@ class Engine:
         self._load = {"queued_prefill_tokens": 0, "running_requests": 0, "waiting_requests": 0, "kv_usage": 0.0}
         self.num_steps = 0
         self.num_preemptions = 0
+        self._faults = faults or FaultPlan()
+        self.num_failed_requests = 0  # requests finished with "error"
+        self.num_failed_steps = 0  # steps whose model forward failed
+        self.last_step_error: BaseException | None = None  # the forward error of the last step, None if it ran
 
     # ------------------------------------------------------------------ properties
     @property
@@ -503,6 +518,7 @@ class Engine:
                 for h in hashes[k:k + m]:
                     self.host_pool.touch(h)  # mark MRU so our own L1 evictions don't push them out
                 new = self.pool.allocate(m)
+                r.blocks.extend(new)  # owned at once: a failure below releases them with the request
                 m2 = self.host_pool.match(hashes[k:k + m])
                 t0 = time.perf_counter()
                 for j in range(m2):
@@ -515,7 +531,7 @@ class Engine:
                 self.l2_load_bytes += m2 * self.block_bytes
                 if m2 < m:
                     self.pool.release(new[m2:])
-                r.blocks.extend(new[:m2])
+                    del r.blocks[len(r.blocks) - (m - m2):]
                 k += m2
                 budget -= m2
         # L3: load through the connector
@@ -543,9 +559,15 @@ class Engine:
                                                any(tuple(np.shape(a)) != exp for a in arrays)):
                         log.warning("L3 returned malformed blocks; recomputing")
                         arrays = None
+                new = self.pool.allocate(n) if arrays is not None else []
                 if arrays is not None:
-                    new = self.pool.allocate(n)
-                    self._copy_in(new, arrays)
+                    try:
+                        self._copy_in(new, arrays)
+                    except Exception:  # undecodable payload: a miss, like any store fault
+                        log.warning("L3 blocks could not be copied in; recomputing", exc_info=True)
+                        self.pool.release(new)
+                        arrays = None
+                if arrays is not None:
                     for j in range(n):
                         i = k + j
                         h = hashes[i]
@@ -580,12 +602,18 @@ class Engine:
             budget -= n
             reserve += max(0, blocks_for(r.num_computed + n, self.block_size) - len(r.blocks))
         slots = cfg.max_num_seqs - len(self._running)
-        out = []
+        out, failed = [], []
         for r in self._waiting:
             if slots <= 0 or budget <= 0:
                 break
-            if not r.prepared and not self._prepare(r, reserve):
-                break
+            if not r.prepared:
+                try:
+                    ready = self._prepare(r, reserve)
+                except Exception as e:  # its prefix load / KV import failed: that request only
+                    failed.append((r, e))
+                    continue
+                if not ready:
+                    break
             out.append(r)
             n = max(0, min(len(r.tokens) - r.num_computed, cfg.max_prefill_chunk_tokens, budget))
             need = max(0, blocks_for(r.num_computed + n, self.block_size) - len(r.blocks))
@@ -594,6 +622,9 @@ class Engine:
             reserve += need
             budget -= n
             slots -= 1
+        for r, e in failed:
+            self._waiting.remove(r)
+            self._fail(r, e, "prepare")
         return out
 
     # ------------------------------------------------------------------ L3 write-through
@@ -629,99 +660,171 @@ class Engine:
             log.warning("L3 write-through failed", exc_info=True)
         r.l3_next = upto
 
+    # ------------------------------------------------------------------ failures
+    def _fail(self, r: _Req, exc: BaseException, where: str) -> None:
+        """Finish one request with ``"error"`` and free its blocks; the others go on
+        (the request must already be out of the waiting / running queues)."""
+        log.warning("request %s failed in %s: %r", r.id, where, exc, exc_info=exc)
+        self.num_failed_requests += 1
+        self._free(r)
+        self._pending_outputs.append(StepOutput(r.id, [], True, "error", error=f"{where}: {exc!r}"))
+
+    def _fail_step(self, reqs: list[_Req], exc: BaseException) -> None:
+        """The model forward failed: fail the requests it scheduled (their KV for this step may
+        be half written), keep everything else. The next step starts from a consistent pool."""
+        self.num_failed_steps += 1
+        self.last_step_error = exc
+        ids = {r.id for r in reqs}
+        self._running = [r for r in self._running if r.id not in ids]
+        for r in reqs:
+            self._fail(r, exc, "step")
+
+    def _write_through_guarded(self, r: _Req) -> None:
+        """Write-through is a side effect for later requests: if it breaks (beyond the store
+        faults :meth:`_write_through` already absorbs) this request just stops writing."""
+        try:
+            self._write_through(r)
+        except Exception:
+            log.warning("write-through of %s failed; continuing without it", r.id, exc_info=True)
+            r.write_through = False
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[StepOutput]:
-        """Run one engine step; returns the outputs it produced (possibly none)."""
+        """Run one engine step; returns the outputs it produced (possibly none).
+
+        Failure isolation: a failure attributable to one request (its prefix load or KV
+        import, its sampling) finishes that request with ``"error"``; a failure of the model
+        forward finishes the requests of that step with ``"error"`` (and sets
+        :attr:`last_step_error`). Either way the engine stays consistent and keeps serving.
+        """
         with self._step_lock:
-            self._drain_inbox()
-            outputs, self._pending_outputs = self._pending_outputs, []
-            prepared = self._prepare_waiting()
-            cfg = self.scheduler_config
-            bs = self.block_size
-            plan = schedule(
-                [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
-                [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
-                self.pool.num_free_blocks(), cfg)
-            by_id = {r.id: r for r in self._running}
-            by_id.update({r.id: r for r in prepared})
-            # preemption (recompute): free blocks, requeue at the front in admission order
-            if plan.preempted:
-                pre = set(plan.preempted)
-                victims = [r for r in self._running if r.id in pre]
-                self.num_preemptions += len(victims)
-                self._running = [r for r in self._running if r.id not in pre]
-                for r in reversed(victims):
-                    self._unprepare(r)
-                    self._waiting.appendleft(r)
-            admitted = set(plan.admitted)
-            for r in prepared:
-                if r.id not in admitted:
-                    self._unprepare(r)
-            if admitted:
-                self._waiting = collections.deque(r for r in self._waiting if r.id not in admitted)
-                for r in prepared:
-                    if r.id in admitted:
-                        r.import_kv = None
-                        if r.admitted_at_s is None:
-                            r.admitted_at_s = time.monotonic()
-                        self._running.append(r)
-                        self._write_through(r)
-            if not plan.scheduled:
-                self._update_load()
-                return outputs
-            # allocate, build the flat batch
-            infos, input_ids, sched = [], [], []
-            for s in plan.scheduled:
-                r = by_id[s.request_id]
-                if s.num_new_blocks:
-                    r.blocks.extend(self.pool.allocate(s.num_new_blocks))
-                infos.append(SeqBatchInfo(r.num_computed, s.num_new_tokens, r.blocks))
-                input_ids.extend(r.tokens[r.num_computed:r.num_computed + s.num_new_tokens])
-                sched.append((r, s.num_new_tokens))
-            meta = build_metadata(infos, bs, self.device)
-            samplers = [i for i, (r, n) in enumerate(sched) if r.num_computed + n == len(r.tokens)]
-            logits = None
-            ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
-            if samplers:
-                logits = self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[samplers])
-            else:
-                self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[:1])
-            self.num_steps += 1
-            for r, n in sched:
-                r.num_computed += n
-                self._register_full(r)
-                self._write_through(r)
-            finished: list[_Req] = []
-            sreqs = [sched[i][0] for i in samplers]
-            if sreqs and all(r.sampling.temperature == 0 for r in sreqs):
-                toks = logits.argmax(dim=-1).tolist()  # all greedy: one argmax, one sync
-            else:
-                toks = [sample(logits[row], r.sampling, r.num_output, self._gen) for row, r in enumerate(sreqs)]
-            for r, tok in zip(sreqs, toks):
-                r.tokens.append(tok)
-                r.num_output += 1
-                reason = None
-                if tok in r.stop_ids:
-                    reason = "stop"
-                elif r.num_output >= r.sampling.max_tokens or len(r.tokens) >= self.max_model_len:
-                    reason = "length"
-                elif r.mode == "prefill":
-                    reason = "handoff"
-                out = StepOutput(r.id, [tok], reason is not None, reason)
-                if not r.sent_first:
-                    out.num_cached_tokens_by_tier = dict(r.cached_by_tier)
-                    out.queue_s = (r.admitted_at_s or r.added_at_s) - r.added_at_s
-                    r.sent_first = True
-                outputs.append(out)
-                if reason is not None:
-                    finished.append((r, reason))
-            if finished:
-                done = {r.id for r, _ in finished}
-                self._running = [r for r in self._running if r.id not in done]
-                for r, reason in finished:
-                    if reason == "handoff":
-                        self._held[r.id] = r  # KV kept for export_kv / release (id stays taken)
-                    else:
-                        self._free(r)
+            self.last_step_error = None
+            outputs = self._step_locked()
+            outputs.extend(self._pending_outputs)
+            self._pending_outputs = []
             self._update_load()
             return outputs
+
+    def _admit(self, prepared: list[_Req]) -> tuple[object, dict[str, _Req]]:
+        """Schedule this step: preempt, admit, and return ``(plan, requests by id)``."""
+        cfg = self.scheduler_config
+        plan = schedule(
+            [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
+            [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
+            self.pool.num_free_blocks(), cfg)
+        by_id = {r.id: r for r in self._running}
+        by_id.update({r.id: r for r in prepared})
+        # preemption (recompute): free blocks, requeue at the front in admission order
+        if plan.preempted:
+            pre = set(plan.preempted)
+            victims = [r for r in self._running if r.id in pre]
+            self.num_preemptions += len(victims)
+            self._running = [r for r in self._running if r.id not in pre]
+            for r in reversed(victims):
+                self._unprepare(r)
+                self._waiting.appendleft(r)
+        admitted = set(plan.admitted)
+        for r in prepared:
+            if r.id not in admitted:
+                self._unprepare(r)
+        if admitted:
+            self._waiting = collections.deque(r for r in self._waiting if r.id not in admitted)
+            for r in prepared:
+                if r.id in admitted:
+                    r.import_kv = None
+                    if r.admitted_at_s is None:
+                        r.admitted_at_s = time.monotonic()
+                    self._running.append(r)
+                    self._write_through_guarded(r)
+        return plan, by_id
+
+    def _forward(self, sched: list[tuple[_Req, int]], new_blocks: list[int]):
+        """Allocate the step's new blocks, run one model forward over all scheduled tokens and
+        return the logits of the requests that sample this step (None if none does)."""
+        infos, input_ids = [], []
+        for (r, n), nb in zip(sched, new_blocks):
+            if nb:
+                r.blocks.extend(self.pool.allocate(nb))
+            infos.append(SeqBatchInfo(r.num_computed, n, r.blocks))
+            input_ids.extend(r.tokens[r.num_computed:r.num_computed + n])
+        self._faults.check_step(r.sampling.seed for r, _ in sched)
+        meta = build_metadata(infos, self.block_size, self.device)
+        samplers = [i for i, (r, n) in enumerate(sched) if r.num_computed + n == len(r.tokens)]
+        ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
+        if samplers:
+            return self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[samplers])
+        self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[:1])
+        return None
+
+    def _sample_tokens(self, logits: torch.Tensor, sreqs: list[_Req]) -> list[int | BaseException]:
+        """One token per sampling request, or the exception its sampling raised."""
+        if all(r.sampling.temperature == 0 for r in sreqs) and not self._faults.active:
+            return greedy_tokens(logits)  # all greedy: one argmax, one sync
+        out: list[int | BaseException] = []
+        for row, r in enumerate(sreqs):
+            try:
+                self._faults.check_sample(r.sampling.seed)
+                out.append(sample(logits[row], r.sampling, r.num_output, self._gen))
+            except Exception as e:  # this request's sampling only
+                out.append(e)
+        return out
+
+    def _step_locked(self) -> list[StepOutput]:
+        self._drain_inbox()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        prepared = self._prepare_waiting()
+        plan, by_id = self._admit(prepared)
+        if not plan.scheduled:
+            return outputs
+        sched = [(by_id[s.request_id], s.num_new_tokens) for s in plan.scheduled]
+        try:
+            logits = self._forward(sched, [s.num_new_blocks for s in plan.scheduled])
+        except Exception as e:
+            log.error("engine step failed; failing its %d requests", len(sched), exc_info=True)
+            self._fail_step([r for r, _ in sched], e)
+            return outputs
+        self.num_steps += 1
+        for r, n in sched:
+            r.num_computed += n
+            self._register_full(r)
+            self._write_through_guarded(r)
+        sreqs = [r for r, n in sched if r.num_computed == len(r.tokens)]
+        if not sreqs:
+            return outputs
+        finished: list[tuple[_Req, str]] = []
+        for r, tok in zip(sreqs, self._sample_tokens(logits, sreqs)):
+            if isinstance(tok, BaseException):
+                self._running.remove(r)
+                self._fail(r, tok, "sampling")
+                continue
+            out, reason = self._append_token(r, tok)
+            outputs.append(out)
+            if reason is not None:
+                finished.append((r, reason))
+        if finished:
+            done = {r.id for r, _ in finished}
+            self._running = [r for r in self._running if r.id not in done]
+            for r, reason in finished:
+                if reason == "handoff":
+                    self._held[r.id] = r  # KV kept for export_kv / release (id stays taken)
+                else:
+                    self._free(r)
+        return outputs
+
+    def _append_token(self, r: _Req, tok: int) -> tuple[StepOutput, str | None]:
+        """Add a sampled token to a request; returns its output and finish reason (or None)."""
+        r.tokens.append(tok)
+        r.num_output += 1
+        reason = None
+        if tok in r.stop_ids:
+            reason = "stop"
+        elif r.num_output >= r.sampling.max_tokens or len(r.tokens) >= self.max_model_len:
+            reason = "length"
+        elif r.mode == "prefill":
+            reason = "handoff"
+        out = StepOutput(r.id, [tok], reason is not None, reason)
+        if not r.sent_first:
+            out.num_cached_tokens_by_tier = dict(r.cached_by_tier)
+            out.queue_s = (r.admitted_at_s or r.added_at_s) - r.added_at_s
+            r.sent_first = True
+        return out, reason

@@ -6,12 +6,38 @@ for the ``i``-th generated token uses a fresh ``torch.Generator`` seeded from
 ``(seed, i)``, so a seeded request gives the same tokens whatever path it takes
 (one engine, or prefill on one engine and decode on another after a handoff).
 Stop *strings* are the router's job; the engine stops on stop token ids (EOS).
+
+Numerical safety (issue 7 §2): :func:`sample` returns a valid token id and never raises
+for every value :class:`SamplingParams` accepts and for any logits the model produces:
+
+- logits are cleaned first (:func:`_clean_logits`): NaN counts as ``-inf``; if some logits
+  are ``+inf`` only those tokens stay possible; if no token is possible at all (every logit
+  NaN / ``-inf``) every token is equally likely;
+- scaling is done in float64 *after* subtracting the maximum, ``(x - max) / T``: the most
+  likely token's scaled logit is exactly 0 and every other one is ``<= 0`` (or ``-inf``), so
+  a tiny temperature such as ``1e-300`` underflows the others to probability 0 (≈ greedy,
+  ties drawn uniformly) instead of overflowing to ``inf``/NaN;
+- top-k and top-p always keep the most likely token, so the distribution keeps mass > 0.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
+
+
+def _finite_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -19,15 +45,17 @@ class SamplingParams:
     """Per-request sampling and stopping.
 
     Attributes:
-        temperature: 0 → greedy (argmax); > 0 → sample from ``softmax(logits / temperature)``.
+        temperature: 0 → greedy (argmax); > 0 → sample from ``softmax(logits / temperature)``
+            (any finite positive value, however small, is safe).
         top_p: nucleus mass in (0, 1]; 1 disables.
-        top_k: keep the k most likely tokens; 0 disables.
-        seed: makes sampling reproducible (see module docstring); None → engine RNG.
+        top_k: keep the k most likely tokens; 0 (or ≥ vocabulary size) disables.
+        seed: any integer, makes sampling reproducible (see module docstring); None → engine RNG.
         max_tokens: most tokens to generate (≥ 1).
         ignore_eos: do not stop on the model's EOS ids.
         stop_token_ids: extra ids that stop generation (the stop token is emitted).
     Raises:
-        ValueError: on out-of-range values.
+        ValueError: on out-of-range or wrongly typed values (NaN / inf included), so a bad
+            value is refused when the request arrives, never inside an engine step.
     """
 
     temperature: float = 0.0
@@ -39,23 +67,51 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.temperature < 0:
+        temperature = _finite_real("temperature", self.temperature)
+        top_p = _finite_real("top_p", self.top_p)
+        top_k = _integer("top_k", self.top_k)
+        max_tokens = _integer("max_tokens", self.max_tokens)
+        seed = None if self.seed is None else _integer("seed", self.seed)
+        if temperature < 0:
             raise ValueError("temperature must be >= 0")
-        if not (0 < self.top_p <= 1):
+        if not (0 < top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
+        if top_k < 0:
             raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 1:
+        if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop_ids = tuple(_integer("stop_token_ids[]", t) for t in self.stop_token_ids)
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                            ("max_tokens", max_tokens), ("seed", seed), ("ignore_eos", bool(self.ignore_eos)),
+                            ("stop_token_ids", stop_ids)):
+            object.__setattr__(self, name, value)
 
 
 def _mix_seed(seed: int, index: int) -> int:
-    # splitmix64-style mixing of (seed, index) into a 63-bit generator seed
+    # splitmix64-style mixing of (seed, index) into a 63-bit generator seed (any int seed)
     x = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _clean_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as CPU float64 with a finite maximum (see module docstring)."""
+    x = logits.detach().to("cpu", torch.float64).reshape(-1)
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    pos_inf = torch.isposinf(x)
+    if bool(pos_inf.any()):
+        x = torch.zeros_like(x).masked_fill(~pos_inf, float("-inf"))
+    if not bool(torch.isfinite(x).any()):
+        x = torch.zeros_like(x)
+    return x
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of ``[n, vocab_size]`` logits, NaN counting as ``-inf`` (the same
+    token :func:`sample` picks at temperature 0)."""
+    x = logits.masked_fill(torch.isnan(logits), float("-inf"))
+    return x.argmax(dim=-1).tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
@@ -63,17 +119,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
     """Pick the next token.
 
     Args:
-        logits: ``[vocab_size]`` float logits (any device; moved to CPU float32).
+        logits: ``[vocab_size]`` float logits (any device, any values incl. NaN / ±inf).
         params: sampling parameters.
         output_index: index of the token being generated (0 = first output token);
             used with ``params.seed``.
         generator: CPU generator used when ``params.seed`` is None.
     Returns:
-        The token id.
+        A token id in ``[0, vocab_size)``.
     """
     if params.temperature == 0:
-        return int(torch.argmax(logits).item())
-    x = logits.detach().to("cpu", torch.float32) / params.temperature
+        return greedy_tokens(logits.reshape(1, -1))[0]
+    x = _clean_logits(logits)
+    x = (x - x.max()) / params.temperature  # max → 0, others ≤ 0 or -inf: never inf/NaN
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -81,9 +138,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
     if params.top_p < 1.0:
         sp, si = torch.sort(probs, descending=True)
         cum = torch.cumsum(sp, 0)
-        drop = (cum - sp) > params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = (cum - sp) >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
     if params.seed is not None:
-        generator = torch.Generator().manual_seed(_mix_seed(int(params.seed), output_index))
+        generator = torch.Generator().manual_seed(_mix_seed(params.seed, output_index))
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -13,7 +13,6 @@ starts need neither GGUF parsing nor dequantization.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -30,7 +29,6 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                    "added_tokens.json")
-_DIGEST_FILE = ".cpd_digests.json"
 
 
 @dataclass(frozen=True)
@@ -155,51 +153,82 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 # ----------------------------------------------------------------------------- digests
+#
+# KV identity follows content (issue 7 §5): a digest is computed from the files' bytes every
+# time it is asked for — never from a cache keyed on names, sizes or mtimes, which a rewrite
+# with the same size and a restored mtime (``os.utime``) would fool. xxh3_128 hashes at about
+# 4-5 GB/s from the page cache (measured: 0.10-0.13 s for SmolLM2-135M's 538 MB safetensors,
+# against ~0.47 s for sha256 and ~7 s to import torch + transformers), so the cost per worker
+# start is small; the engine reads the same bytes right after anyway. It is not a
+# cryptographic hash: it tells accidental changes apart (2^-128), not a forger who can already
+# write the weights. :func:`load_model_dir_with_digest` also rejects a file changed while it
+# was being hashed and loaded (its inode, size, mtime or ctime moved; ctime cannot be set back).
 
-def _cached_digest(model_dir: Path, key: str, files: list[Path]) -> str:
-    """sha256 over (name, size, bytes) of ``files``, cached in ``.cpd_digests.json``
-    together with the files' (size, mtime) so a changed file invalidates it."""
-    stamp = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    cache_path = model_dir / _DIGEST_FILE
-    cache: dict = {}
-    try:
-        cache = json.loads(cache_path.read_text())
-        ent = cache.get(key)
-        if ent and ent.get("stamp") == stamp:
-            return ent["digest"]
-    except (OSError, ValueError):
-        cache = {}
-    h = hashlib.sha256()
+def _content_digest(files: list[Path]) -> str:
+    """xxh3_128 (hex) over (name, size, bytes) of ``files`` in the given order."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
     for f in files:
-        h.update(f.name.encode() + b"\0")
         with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            h.update(f.name.encode() + b"\0" + size.to_bytes(8, "little"))
             for chunk in iter(lambda: fh.read(1 << 22), b""):
                 h.update(chunk)
-    digest = h.hexdigest()
-    cache[key] = {"stamp": stamp, "digest": digest}
-    try:
-        tmp = cache_path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_path)
-    except OSError:
-        pass  # read-only dir: digest still correct, just not cached
-    return digest
+    return h.hexdigest()
+
+
+def _weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def _file_stamps(files: list[Path]) -> list[tuple[int, int, int, int]]:
+    """(inode, size, mtime_ns, ctime_ns) per file: any write or replacement changes one."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return out
 
 
 def weights_digest(model_dir: str | os.PathLike) -> str:
-    """Hex sha256 over all ``*.safetensors`` files (sorted by name), cached in the dir."""
-    d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    return _cached_digest(d, "weights", files)
+    """Hex xxh3_128 over the bytes of all ``*.safetensors`` files (sorted by name), computed
+    from the content on every call."""
+    return _content_digest(_weight_files(model_dir))
 
 
 def tokenizer_digest(model_dir: str | os.PathLike) -> str:
-    """Hex sha256 over the tokenizer files present in the dir (``tokenizer.json`` etc.)."""
+    """Hex xxh3_128 over the tokenizer files present in the dir (``tokenizer.json`` etc.),
+    computed from the content on every call."""
     d = Path(model_dir)
     files = sorted((d / n for n in TOKENIZER_FILES if (d / n).exists()), key=lambda p: p.name)
-    return _cached_digest(d, "tokenizer", files)
+    return _content_digest(files)
+
+
+def load_model_dir_with_digest(model_dir: str | os.PathLike, device: str | torch.device = "cpu",
+                               dtype: torch.dtype = torch.float32, attempts: int = 3):
+    """:func:`load_model_dir` plus the :func:`weights_digest` of exactly the bytes loaded.
+
+    The files' stamps are taken before hashing and compared after loading; if a file changed
+    in between (a deployment rewriting weights in place), hash and load again.
+
+    Returns:
+        ``(model, config, weights_digest)``.
+    Raises:
+        RuntimeError: the weights kept changing over ``attempts`` tries.
+    """
+    for _ in range(attempts):
+        files = _weight_files(model_dir)
+        before = _file_stamps(files)
+        digest = _content_digest(files)
+        model, cfg = load_model_dir(model_dir, device=device, dtype=dtype)
+        if _weight_files(model_dir) == files and _file_stamps(files) == before:
+            return model, cfg, digest
+        del model
+    raise RuntimeError(f"weights in {model_dir} kept changing while being loaded")
 
 
 def model_id_of(model_dir: str | os.PathLike) -> str:
@@ -289,8 +318,6 @@ def default_model_dir() -> Path:
         tok.save_pretrained(str(tmp))
         cfg["cpd_model_id"] = "SmolLM2-135M-Instruct-Q4_1"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        weights_digest(tmp)
-        tokenizer_digest(tmp)
 
     return _atomic_dir(target, build)
 
