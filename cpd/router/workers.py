@@ -46,9 +46,18 @@ class WorkerInfo:
                           self.kv_usage, self.healthy, queued_prefill_s=max(0.0, self.queued_prefill_s))
 
 
+def reports_healthy(load: dict) -> bool:
+    """The worker's own verdict in its ``/load`` body (``health.healthy``, see
+    :class:`cpd.worker.runtime.StepHealth`); a body without it counts as healthy."""
+    h = load.get("health")
+    return not isinstance(h, dict) or bool(h.get("healthy", True))
+
+
 class WorkerSet:
     """All workers, with a background poller of ``/load``. A worker is marked unhealthy after
-    ``max_poll_failures`` consecutive failed polls, or at once when a request to it fails."""
+    ``max_poll_failures`` consecutive failed polls, at once when a request to it fails, and at
+    once when its ``/load`` reports itself unhealthy (its engine steps keep failing); a good
+    poll that reports it healthy makes it routable again."""
 
     def __init__(self, workers: list[WorkerInfo], poll_interval_s: float = 0.5, poll_timeout_s: float = 5.0,
                  max_poll_failures: int = 3):
@@ -78,6 +87,9 @@ class WorkerSet:
                 w.last_load = r.json()
                 self._poll_failures[w.worker_id] = 0
                 w.kv_usage = float(w.last_load.get("kv_usage", 0.0))
+                if not reports_healthy(w.last_load):  # answers, but its engine steps keep failing
+                    self.mark_unhealthy(w.worker_id)
+                    return
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True

@@ -51,6 +51,7 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     import torch
 
     from cpd.engine.engine import Engine
+    from cpd.engine.faults import FaultPlan
     from cpd.engine.scheduler import SchedulerConfig
     from cpd.kv.event_bus import EventPublisher
 
@@ -68,7 +69,8 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
                             max_prefill_chunk_tokens=a.max_prefill_chunk_tokens, block_size=a.block_size)
     engine = Engine(a.model, num_blocks=a.num_blocks, block_size=a.block_size, host_kv_bytes=a.host_kv_bytes,
-                    scheduler_config=sched, connector=connector, event_sink=publisher.emit)
+                    scheduler_config=sched, connector=connector, event_sink=publisher.emit,
+                    faults=FaultPlan.from_env())  # test-only CPD_FAULT_* variables; none in production
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
     if a.role == "decode":

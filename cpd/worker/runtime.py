@@ -5,14 +5,26 @@ Threading model: the engine thread is the only one that calls ``Engine.step``;
 handlers on the asyncio loop call ``add_request``/``abort`` (thread-safe in the
 engine) and run ``export_kv``/``add_decode_request`` under :attr:`engine_lock`,
 which the engine thread also holds during a step.
+
+Failures (issue 7 §2): a request the engine finishes with ``"error"`` gets a
+:class:`RequestFailed` on its stream (its handler answers an error for that request
+only). A step whose forward failed, or an exception escaping ``Engine.step`` (an engine
+bug: every live request is failed, as nothing tells which one caused it), counts as a
+failed step in :class:`StepHealth`; the worker reports unhealthy only while steps keep
+failing (see there), never because of one old error.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 from cpd.kv.event_bus import EventPublisher
+
+
+class RequestFailed(RuntimeError):
+    """Delivered on a request's stream when the engine failed that request."""
 
 
 @dataclass
@@ -23,10 +35,49 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
 
 
+class StepHealth:
+    """Health from the engine's recent steps: a circuit breaker, not a sticky flag.
+
+    Unhealthy while the last ``max_consecutive_failures`` (or more) steps all failed and the
+    latest failure is younger than ``retry_after_s``. A good step clears it at once; an idle
+    worker whose last steps failed becomes healthy again after ``retry_after_s`` so that the
+    router sends it work again (one probe: if that fails too, it is unhealthy again).
+    One failed step is not enough by default: it fails only the requests of that step, and
+    the next step shows whether the worker itself is broken.
+    """
+
+    def __init__(self, max_consecutive_failures: int = 2, retry_after_s: float = 5.0):
+        self.max_consecutive_failures = max_consecutive_failures
+        self.retry_after_s = retry_after_s
+        self.consecutive_failures = 0
+        self.num_failed_steps = 0
+        self.last_error: str | None = None
+        self._last_failure_s: float | None = None
+
+    def record_ok(self) -> None:
+        self.consecutive_failures = 0
+
+    def record_failure(self, exc: BaseException, now_s: float) -> None:
+        self.consecutive_failures += 1
+        self.num_failed_steps += 1
+        self.last_error = repr(exc)
+        self._last_failure_s = now_s
+
+    def healthy(self, now_s: float) -> bool:
+        if self.consecutive_failures < self.max_consecutive_failures or self._last_failure_s is None:
+            return True
+        return now_s - self._last_failure_s >= self.retry_after_s
+
+    def report(self, now_s: float) -> dict:
+        """``{"healthy", "consecutive_failed_steps", "num_failed_steps", "last_error"}``."""
+        return {"healthy": self.healthy(now_s), "consecutive_failed_steps": self.consecutive_failures,
+                "num_failed_steps": self.num_failed_steps, "last_error": self.last_error}
+
+
 class EngineRunner:
     """Runs ``engine.step()`` in a dedicated thread while there is work."""
 
-    def __init__(self, engine, publisher: EventPublisher | None):
+    def __init__(self, engine, publisher: EventPublisher | None, health: StepHealth | None = None):
         self.engine = engine
         self.publisher = publisher
         self.engine_lock = threading.Lock()
@@ -35,9 +86,13 @@ class EngineRunner:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.num_steps = 0
-        self.last_error: BaseException | None = None
+        self.step_health = health or StepHealth()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
+
+    def health(self) -> dict:
+        """The worker's current health (see :class:`StepHealth`)."""
+        return self.step_health.report(time.monotonic())
 
     def open_stream(self, request_id: str) -> RequestStream:
         s = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
@@ -52,7 +107,11 @@ class EngineRunner:
     def submit(self, engine_request) -> RequestStream:
         """Register a stream and add the request to the engine."""
         s = self.open_stream(engine_request.request_id)
-        self.engine.add_request(engine_request)
+        try:
+            self.engine.add_request(engine_request)
+        except BaseException:
+            self.close_stream(engine_request.request_id)
+            raise
         self._wake.set()
         return s
 
@@ -75,11 +134,16 @@ class EngineRunner:
             try:
                 with self.engine_lock:
                     outputs = self.engine.step()
-            except BaseException as e:  # surface engine bugs to every waiter, never hang
-                self.last_error = e
+                    step_error = getattr(self.engine, "last_step_error", None)
+            except BaseException as e:  # an engine bug outside its own isolation: fail every waiter, never hang
+                self.step_health.record_failure(e, time.monotonic())
                 self._fail_all(e)
                 continue
             self.num_steps += 1
+            if step_error is None:
+                self.step_health.record_ok()
+            else:
+                self.step_health.record_failure(step_error, time.monotonic())
             if self.publisher is not None:
                 self.publisher.flush()
             self._deliver(outputs)
@@ -88,8 +152,12 @@ class EngineRunner:
         for out in outputs:
             with self._streams_lock:
                 s = self._streams.get(out.request_id)
-            if s is not None:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
+            if s is None:
+                continue
+            item = out
+            if out.finish_reason == "error":
+                item = RequestFailed(getattr(out, "error", None) or "request failed in the engine")
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:

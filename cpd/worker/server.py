@@ -93,17 +93,19 @@ def build_app(st: WorkerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        err = st.runner.last_error
-        if err is not None:
-            return JSONResponse({"status": "error", "error": repr(err)}, status_code=500)
-        return {"status": "ok", "role": st.role, "worker_id": st.worker_id}
+        """200 while the engine serves, 503 while its steps keep failing (current state, not
+        a sticky last error: see :class:`cpd.worker.runtime.StepHealth`)."""
+        h = st.runner.health()
+        body = {"status": "ok" if h["healthy"] else "error", "role": st.role, "worker_id": st.worker_id, **h}
+        return JSONResponse(body, status_code=200 if h["healthy"] else 503)
 
     @app.get("/load")
     async def load():
         return {"role": st.role, "worker_id": st.worker_id, **st.engine.load_stats(),
                 "pool": st.engine.pool_stats(), "handoff": st.sender.stats() if st.sender else None,
                 "handoff_received": st.receiver.stats() if st.receiver else None,
-                "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {})}
+                "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {}),
+                "health": st.runner.health()}
 
     @app.get("/kv_snapshot")
     async def kv_snapshot():
