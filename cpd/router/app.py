@@ -1,8 +1,11 @@
 """Assemble the router: OpenAI front + CPD backend + prefix index + metrics.
 
-The KV namespace comes from the workers (each reports the one its engine hashes
-with); the router refuses to start if they disagree, so router and workers always
-hash blocks identically.
+The KV namespace and context limit come from the router config (:mod:`cpd.deploy` writes
+what the workers reported). Each worker is checked against them when the router first
+reaches it and again after it was unhealthy or restarted (:mod:`cpd.router.compat`): a
+worker with another namespace or a smaller context is refused, never routed to, and shown
+as refused in ``/cpd/workers``, ``/health`` and the log, so router and usable workers
+always hash blocks identically and hold every admitted request.
 """
 from __future__ import annotations
 
@@ -18,11 +21,13 @@ from fastapi.responses import JSONResponse, Response
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
 from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.router import compat
 from cpd.router.dispatch import CPDBackend
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
 from cpd.router.openai_api import create_app
+from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from cpd.router.workers import WorkerInfo, WorkerSet
 
 log = logging.getLogger("cpd.router")
@@ -34,7 +39,8 @@ class Router:
 
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
-                 max_in_flight: int = 256, max_decode_per_worker: int = 64):
+                 max_in_flight: int = 256, max_decode_per_worker: int = 64,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
@@ -46,6 +52,7 @@ class Router:
         self.max_model_len = max_model_len
         self.max_in_flight = max_in_flight
         self.max_decode_per_worker = max_decode_per_worker
+        self.max_request_body_bytes = max_request_body_bytes
         self.subscriber: EventSubscriber | None = None
         self.client: httpx.AsyncClient | None = None
         self.backend: CPDBackend | None = None
@@ -54,6 +61,17 @@ class Router:
         self._l3_resync_after = 0.0  # monotonic time before which no retry is made
         self.workers.on_unhealthy = self._on_unhealthy
         self.workers.on_recovered = self._resync_pending.add  # rebuild its index entries
+        self.requirements = compat.Requirements(namespace, max_model_len)
+        self.workers.admit = self._admit
+        self.workers.needs_check = compat.needs_check
+
+    async def _admit(self, w: WorkerInfo) -> bool:
+        """Check one worker's namespace and capacity (:mod:`cpd.router.compat`); a refused one
+        loses its index entries and is never routed to."""
+        ok = await compat.admit(self.client, w, self.requirements)
+        if not ok:
+            self.index.drop_worker(w.worker_id)
+        return ok
 
     def _on_unhealthy(self, worker_id: str) -> None:
         """A worker stopped answering: forget its L1/L2 blocks and count it."""
@@ -124,6 +142,7 @@ class Router:
             router.subscriber = EventSubscriber(router._on_batch)
             for w in router.workers.by_id.values():
                 router.subscriber.add(w.worker_id, w.events_endpoint)
+            await asyncio.gather(*(router._admit(w) for w in router.workers.by_id.values()))
             await asyncio.sleep(0.2)  # let SUB sockets connect before the snapshot
             await asyncio.gather(*(router.resync(w) for w in router.workers.by_id))
             await router.resync_l3()
@@ -138,7 +157,8 @@ class Router:
         self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates, self.metrics,
                                   client=None, max_in_flight=self.max_in_flight,
                                   max_decode_per_worker=self.max_decode_per_worker)
-        app = create_app(self.backend, self.tokenizer_dir, self.model_name, self.max_model_len)
+        app = create_app(self.backend, self.tokenizer_dir, self.model_name, self.max_model_len,
+                         max_request_body_bytes=self.max_request_body_bytes)
         app.router.lifespan_context = lifespan
 
         @app.get("/metrics")
@@ -147,7 +167,8 @@ class Router:
 
         @app.get("/cpd/workers")
         async def workers():
-            return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy,
+            return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
+                                  "reason": w.refusal_reason, "max_model_len": w.max_model_len,
                                   "queued_prefill_tokens": w.queued_prefill_tokens,
                                   "running_requests": w.running_requests, "load": w.last_load}
                     for w in router.workers.by_id.values()}
@@ -171,7 +192,8 @@ def _replace_health(app: FastAPI, router: Router) -> None:
     @app.get("/health")
     async def health():
         ws = router.workers.by_id.values()
-        ok = any(w.healthy and w.role != "decode" for w in ws) and any(w.healthy and w.role == "decode" for w in ws)
+        ok = any(w.usable and w.role != "decode" for w in ws) and any(w.usable and w.role == "decode" for w in ws)
         body = {"status": "ok" if ok else "degraded",
-                "workers": {w.worker_id: w.healthy for w in ws}}
+                "workers": {w.worker_id: w.usable for w in ws},
+                "refused": {w.worker_id: w.refusal_reason for w in ws if w.state == compat.REFUSED}}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -7,6 +7,7 @@ which the official ``openai`` client parses into ``openai.APIStatusError`` subcl
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -56,7 +58,16 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The error object. Text that echoes client input is made valid Unicode (lone surrogates
+    become U+FFFD), so rendering an error can never fail."""
+    return {"error": {"message": _valid_unicode(message), "type": type, "param": _valid_unicode(param),
+                      "code": code}}
+
+
+def _valid_unicode(s: str | None) -> str | None:
+    if s is None or s.isascii():
+        return s
+    return _SURROGATE.sub("\ufffd", s)
 
 
 def retry_after_header(retry_after_s: float | None) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """Entry point of the router process: ``python -m cpd.router.main --config router.json``.
 
-The config (written by :mod:`cpd.deploy`) lists workers, the KV namespace they
-reported, the tokenizer directory, topology and listen address.
+The config (written by :mod:`cpd.deploy`, or by hand) lists workers, the KV namespace they
+reported, ``max_model_len``, the tokenizer directory, topology and listen address; optional:
+``max_request_body_bytes`` (default 16 MiB; larger bodies get 413). Workers whose namespace
+or context differs from the config's are refused at run time (:mod:`cpd.router.compat`), not
+at startup: the router starts and serves with the compatible ones.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import uvicorn
 
 from cpd.kv.block_hash import Namespace
 from cpd.router.app import Router
+from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from cpd.router.workers import WorkerInfo
 
 
@@ -22,7 +26,8 @@ def build_router(cfg: dict) -> Router:
     return Router(workers, Namespace(**cfg["namespace"]), cfg["tokenizer_dir"], cfg["model_name"],
                   cfg["max_model_len"], cfg["kv_bytes_per_token"], topology=cfg.get("topology", "cpd"),
                   cold_threshold=cfg.get("cold_threshold", 0.5), max_in_flight=cfg.get("max_in_flight", 256),
-                  max_decode_per_worker=cfg.get("max_decode_per_worker", 64))
+                  max_decode_per_worker=cfg.get("max_decode_per_worker", 64),
+                  max_request_body_bytes=cfg.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES))
 
 
 def _serve_supervisor_status(app, router: Router, status_path: str) -> None:

@@ -60,20 +60,24 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Optional
+from typing import Annotated, Any, Awaitable, Callable, Iterable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cpd.router.errors import (INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid,
                                type_for_status)
+from cpd.router.openapi import install_openapi
+from cpd.router.request_body import (DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading,
+                                     read_json_body)
 from cpd.router.protocol import (BackendError, GenerationBackend, GenerationChunk,
                                  GenerationRequest, SamplingOptions)
-from cpd.router.tokenization import MessageError, Tokenizer, load_tokenizer
+from cpd.router.tokenization import MessageError, Tokenizer, load_tokenizer, normalize_messages
 
 log = logging.getLogger("cpd.router.openai_api")
 
@@ -87,60 +91,101 @@ _LONG_TEXT_CHARS = 4096  # tokenize longer inputs in a worker thread
 
 # ----------------------------------------------------------------------------- request models
 
+TokenId = Annotated[StrictInt, Field(ge=0, description="token id in [0, vocab_size)")]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: Optional[StrictBool] = False
 
 
+class TextContentPart(BaseModel):
+    """One part of a chat message's ``content`` list (only text parts are supported)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One chat message (OpenAI "Create chat completion", ``messages``); ``developer`` is an
+    alias of ``system``; a content list is joined with no separator."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, list[TextContentPart]]
+
+
 class _CommonRequest(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored (clients send many)."""
+    """Fields shared by both endpoints. Unknown fields are ignored (clients send many).
+
+    These models are the schema: they validate every request body (types and ranges) and
+    ``GET /openapi.json`` is generated from them. Rules a JSON schema cannot state (token ids
+    below the vocabulary size, prompt + ``max_tokens`` within the context, unsupported values of
+    the OpenAI options listed as ``unsupported``) are checked after validation.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[StrictStr] = None
-    max_tokens: Optional[StrictInt] = None
-    temperature: Optional[StrictFloat] = None
-    top_p: Optional[StrictFloat] = None
-    seed: Optional[StrictInt] = None
-    stop: Any = None
+    model: Optional[StrictStr] = Field(None, description="the served model id (optional)")
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    temperature: Optional[Annotated[StrictFloat, Field(ge=0.0, le=2.0, allow_inf_nan=False)]] = None
+    top_p: Optional[Annotated[StrictFloat, Field(gt=0.0, le=1.0, allow_inf_nan=False)]] = None
+    seed: Optional[Annotated[StrictInt, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])]] = None
+    stop: Optional[Union[Annotated[StrictStr, Field(min_length=1)],
+                         Annotated[list[Annotated[StrictStr, Field(min_length=1)]],
+                                   Field(max_length=MAX_STOP_STRINGS)]]] = None
     stream: Optional[StrictBool] = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="only with stream: true")
     ignore_eos: Optional[StrictBool] = False       # vLLM extension
-    cache_salt: Optional[StrictStr] = None          # vLLM extension
-    stop_token_ids: Optional[list[StrictInt]] = None  # vLLM extension
+    cache_salt: Optional[Annotated[StrictStr, Field(min_length=1)]] = None  # vLLM extension
+    stop_token_ids: Optional[list[TokenId]] = None  # vLLM extension
     return_token_ids: Optional[StrictBool] = False  # vLLM extension (non-streaming): ids in the choice
-    n: Optional[StrictInt] = None
+    n: Optional[StrictInt] = Field(None, description="unsupported: only 1")
     user: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Optional[StrictFloat] = None
-    frequency_penalty: Optional[StrictFloat] = None
-    logit_bias: Any = None
+    logprobs: Any = Field(None, description="unsupported")
+    top_logprobs: Any = Field(None, description="unsupported")
+    presence_penalty: Optional[StrictFloat] = Field(None, description="unsupported: only 0")
+    frequency_penalty: Optional[StrictFloat] = Field(None, description="unsupported: only 0")
+    logit_bias: Any = Field(None, description="unsupported")
 
 
 class CompletionRequest(_CommonRequest):
-    """Body of ``POST /v1/completions`` (OpenAI "Create completion")."""
+    """Body of ``POST /v1/completions`` (OpenAI "Create completion"). ``prompt``: text, token
+    ids, or a batch of exactly one of either."""
 
-    prompt: Any = None
-    echo: Optional[StrictBool] = None
-    best_of: Optional[StrictInt] = None
-    suffix: Any = None
+    prompt: Union[Annotated[StrictStr, Field(min_length=1)],
+                  Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
+    echo: Optional[StrictBool] = Field(None, description="unsupported: only false")
+    best_of: Optional[StrictInt] = Field(None, description="unsupported: only 1")
+    suffix: Any = Field(None, description="unsupported")
 
 
 class ChatCompletionRequest(_CommonRequest):
     """Body of ``POST /v1/chat/completions`` (OpenAI "Create chat completion")."""
 
-    messages: Any = None
-    max_completion_tokens: Optional[StrictInt] = None
-    tools: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    tools: Any = Field(None, description="unsupported")
+    tool_choice: Any = Field(None, description="unsupported: only 'none'")
+    response_format: Any = Field(None, description="only {'type': 'text'}")
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the member of a union that failed (``str``, ``list[constrained-int]``,
+    ``TextContentPart``...) in the error location; it is not part of the field path."""
+    return part in _TYPE_TAGS or not part.isidentifier() or part[:1].isupper()
 
 
 def _param_of(loc: Iterable[Any]) -> str | None:
     out = ""
     for part in loc:
-        if part == "body":
+        if part == "body" or (isinstance(part, str) and _is_union_tag(part)):
             continue
         if isinstance(part, int):
             out += f"[{part}]"
@@ -225,6 +270,42 @@ def _parse_stop(stop: Any) -> list[str]:
     if any(s == "" for s in stops):
         raise invalid("stop strings must not be empty", "stop")
     return stops
+
+
+def _single_prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a completions body (text or token ids; a batch of one is unwrapped).
+    Raises a 400 naming the problem for anything else."""
+    if prompt is None:
+        raise invalid("'prompt' is a required property", "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise invalid("prompt must not be empty", "prompt")
+        return prompt
+    if not isinstance(prompt, list) or not _is_token_list(prompt):
+        raise invalid("'prompt' must be a string or a list of integer token ids", "prompt")
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    return prompt
+
+
+def _check_union_fields(obj: dict[str, Any], chat: bool) -> None:
+    """Check the fields whose schema is a union (``prompt``, ``messages``, ``stop``) before the
+    model does: a union's validation error lists every member's failure, while these checks
+    name the one problem and the exact ``param`` (``messages[1].content[0]``)."""
+    if chat:
+        if obj.get("messages") is None:
+            raise invalid("'messages' is a required property", "messages")
+        try:
+            normalize_messages(obj["messages"])
+        except MessageError as e:
+            raise invalid(str(e), e.param) from None
+    else:
+        _single_prompt(obj.get("prompt"))
+    _parse_stop(obj.get("stop"))
 
 
 def _is_token_list(x: Any) -> bool:
@@ -409,7 +490,8 @@ class OpenAIFront:
     """State behind the HTTP routes: backend, tokenizer, model facts. ``app.state.front``."""
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int, vocab_size: int | None = None):
+                 max_model_len: int, vocab_size: int | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         if max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self.backend = backend
@@ -418,18 +500,15 @@ class OpenAIFront:
         self.max_model_len = int(max_model_len)
         self.vocab_size = int(vocab_size if vocab_size is not None else tokenizer.vocab_size)
         self.created = int(time.time())
+        self.max_request_body_bytes = int(max_request_body_bytes)
 
     # -- request preparation ------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise invalid(f"request body is not valid JSON: {e}")
-        if not isinstance(obj, dict):
-            raise invalid("request body must be a JSON object")
-        return obj
+            return await read_json_body(request, self.max_request_body_bytes)
+        except ClientGoneWhileReading:
+            raise _ClientGone() from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -437,28 +516,15 @@ class OpenAIFront:
                                 f"'{self.model_name}'", INVALID_REQUEST, "model", "model_not_found")
 
     async def _completion_prompt(self, prompt: Any) -> list[int]:
-        if prompt is None:
-            raise invalid("'prompt' is a required property", "prompt")
-        if isinstance(prompt, list) and prompt and (
-                isinstance(prompt[0], str) or isinstance(prompt[0], list)):
-            if len(prompt) > 1:
-                raise invalid("batched prompts are not supported; send one prompt per request",
-                              "prompt")
-            prompt = prompt[0]
+        prompt = _single_prompt(prompt)
         if isinstance(prompt, str):
-            if prompt == "":
-                raise invalid("prompt must not be empty", "prompt")
             ids = await _tokenize(self.tokenizer.encode_prompt, prompt, len(prompt))
-        elif isinstance(prompt, list):
-            if not _is_token_list(prompt):
-                raise invalid("'prompt' must be a string or a list of integer token ids", "prompt")
+        else:
             ids = list(prompt)
             for i, t in enumerate(ids):
                 if not 0 <= t < self.vocab_size:
                     raise invalid(f"token id {t} at position {i} is outside the vocabulary "
                                   f"[0, {self.vocab_size})", "prompt")
-        else:
-            raise invalid("'prompt' must be a string or a list of integer token ids", "prompt")
         if not ids:
             raise invalid("prompt must not be empty", "prompt")
         return ids
@@ -480,6 +546,7 @@ class OpenAIFront:
 
     async def _prepare(self, request: Request, chat: bool, arrival: float) -> _Prepared:
         obj = await self._body(request)
+        _check_union_fields(obj, chat)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         try:
             req = model_cls.model_validate(obj)
@@ -487,17 +554,9 @@ class OpenAIFront:
             raise _validation_error(e)
         self._check_model(req.model)
         _check_unsupported(req, chat)
-        temperature = 1.0 if req.temperature is None else float(req.temperature)
-        if not 0.0 <= temperature <= 2.0:
-            raise invalid("temperature must be between 0 and 2", "temperature")
+        temperature = 1.0 if req.temperature is None else float(req.temperature)  # range: the model
         top_p = 1.0 if req.top_p is None else float(req.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise invalid("top_p must be greater than 0 and at most 1", "top_p")
-        if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
-            raise invalid("seed is out of range", "seed")
         stops = _parse_stop(req.stop)
-        if req.cache_salt is not None and req.cache_salt == "":
-            raise invalid("cache_salt must not be empty", "cache_salt")
         stream = bool(req.stream)
         if req.stream_options is not None and not stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
@@ -519,10 +578,10 @@ class OpenAIFront:
             raise invalid(f"{mt_param} must be at least 1", mt_param)
 
         if chat:
-            prompt_ids = await self._chat_prompt(req.messages)  # type: ignore[attr-defined]
+            prompt_ids = await self._chat_prompt(obj["messages"])
             prompt_param = "messages"
         else:
-            prompt_ids = await self._completion_prompt(req.prompt)  # type: ignore[attr-defined]
+            prompt_ids = await self._completion_prompt(obj["prompt"])
             prompt_param = "prompt"
         n = len(prompt_ids)
         if n >= self.max_model_len:
@@ -716,7 +775,8 @@ def _backend_error_response(e: BackendError) -> JSONResponse:
 
 def create_app(backend: GenerationBackend, tokenizer_dir: str, model_name: str,
                max_model_len: int, extra_routes: Iterable[Any] | None = None, *,
-               tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> FastAPI:
+               tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """Build the OpenAI-compatible FastAPI app.
 
     - ``backend``: produces tokens (:class:`~cpd.router.protocol.GenerationBackend`).
@@ -729,13 +789,19 @@ def create_app(backend: GenerationBackend, tokenizer_dir: str, model_name: str,
       ``/health`` replaces the default one. The caller may also add routes to the returned
       app.
     - ``vocab_size``: upper bound (exclusive) for prompt token ids; default ``len(tokenizer)``.
+    - ``max_request_body_bytes``: larger bodies get 413 (default
+      :data:`~cpd.router.request_body.DEFAULT_MAX_REQUEST_BODY_BYTES`, 16 MiB).
+
+    ``GET /openapi.json`` describes the routes; the request schemas are the models that
+    validate the bodies (:mod:`cpd.router.openapi`).
 
     The :class:`OpenAIFront` is available as ``app.state.front``.
     """
     tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
-    front = OpenAIFront(backend, tok, model_name, max_model_len, vocab_size)
-    app = FastAPI(title="cpd router", version="0.1.0", openapi_url=None, docs_url=None,
+    front = OpenAIFront(backend, tok, model_name, max_model_len, vocab_size, max_request_body_bytes)
+    app = FastAPI(title="cpd router", version="0.1.0", openapi_url="/openapi.json", docs_url=None,
                   redoc_url=None)
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
     app.state.front = front
 
     @app.exception_handler(StarletteHTTPException)

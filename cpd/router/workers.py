@@ -28,6 +28,10 @@ class WorkerInfo:
         running_requests: requests dispatched and not finished on this worker.
         kv_usage: last polled L1 use in [0, 1].
         healthy: False after a failed poll or request, True again after a good poll.
+        state: ``unchecked`` | ``accepted`` | ``refused`` — the compatibility verdict
+            (:mod:`cpd.router.compat`); only an accepted, healthy worker is routed to.
+        refusal_reason: why it is refused (``None`` otherwise).
+        boot_id, max_model_len: as its ``GET /info`` last reported them.
     """
 
     worker_id: str
@@ -40,10 +44,19 @@ class WorkerInfo:
     kv_usage: float = 0.0
     healthy: bool = True
     last_load: dict = field(default_factory=dict)
+    state: str = "unchecked"
+    refusal_reason: str | None = None
+    boot_id: str | None = None
+    max_model_len: int | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Healthy and accepted: the policy may route to it."""
+        return self.healthy and self.state == "accepted"
 
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, self.role, self.queued_prefill_tokens, self.running_requests,
-                          self.kv_usage, self.healthy, queued_prefill_s=max(0.0, self.queued_prefill_s))
+                          self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s))
 
 
 def reports_healthy(load: dict) -> bool:
@@ -69,6 +82,8 @@ class WorkerSet:
         self._task: asyncio.Task | None = None
         self.on_unhealthy = None  # callback(worker_id) -> None
         self.on_recovered = None  # callback(worker_id) -> None
+        self.admit = None  # async callback(WorkerInfo) -> bool: compatibility check (cpd.router.compat)
+        self.needs_check = None  # callback(WorkerInfo, was_healthy) -> bool: call admit after this poll?
 
     def snapshots(self) -> list[WorkerLoad]:
         return [w.snapshot() for w in self.by_id.values()]
@@ -90,9 +105,12 @@ class WorkerSet:
                 if not reports_healthy(w.last_load):  # answers, but its engine steps keep failing
                     self.mark_unhealthy(w.worker_id)
                     return
+                was_healthy = w.healthy
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True
+                if self.admit is not None and self.needs_check(w, was_healthy):
+                    await self.admit(w)
             except (httpx.HTTPError, ValueError):
                 n = self._poll_failures[w.worker_id] = self._poll_failures.get(w.worker_id, 0) + 1
                 if n >= self.max_poll_failures:
