@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-prefill-chunk-tokens", type=int, default=512)
     p.add_argument("--handoff-arena-bytes", type=int, default=256 << 20)
+    p.add_argument("--handoff-reclaim-after-s", type=float, default=120.0,
+                   help="prefill side: free a handoff staging nobody released after this many seconds")
     p.add_argument("--handoff-force-tcp", action="store_true",
                    help="decode side: fetch KV over TCP even from a same-host sender (the cross-host path)")
     p.add_argument("--torch-threads", type=int, default=0, help="0 = torch default")
@@ -76,7 +78,8 @@ def build_state(a: argparse.Namespace) -> WorkerState:
     if a.role == "decode":
         receiver = HandoffReceiver(force_tcp=a.handoff_force_tcp)
     else:
-        sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, bind_host=a.host)
+        sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, bind_host=a.host,
+                               reclaim_after_s=a.handoff_reclaim_after_s)
     runner = EngineRunner(engine, publisher)
     return WorkerState(a.role, a.worker_id, engine, runner, sender, receiver, publisher, connector)
 

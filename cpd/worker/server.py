@@ -8,10 +8,14 @@ Internal API (JSON; not OpenAI — only the router calls it):
   num_cached_tokens_by_tier, handoff, prefill_s, queue_s, kv_bytes}``. If the caller
   disconnects first, the request is aborted and its blocks freed.
 - ``POST /decode``   body: request_id, token_ids (prompt + first token), sampling,
-  handoff. Fetches the KV (shared memory on one host, TCP otherwise), continues
-  decoding and streams NDJSON lines ``{"token_ids": [...], "finish_reason": ...}``.
-  Disconnect aborts.
-- ``POST /handoff/release`` body: request_id — frees staged handoff memory.
+  handoff. Fetches the KV (shared memory on one host, TCP otherwise) as a verified copy
+  (the handle's generation and checksum, :mod:`cpd.worker.handoff`), continues decoding and
+  streams NDJSON lines ``{"token_ids": [...], "finish_reason": ...}``; an empty line is a
+  heartbeat, sent every ``DECODE_HEARTBEAT_S`` without output, so the router can bound idle
+  time without knowing how long this worker queues the request. A handle that no longer
+  names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable sender
+  502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
+- ``POST /handoff/release`` body: request_id, generation — frees that staging only.
 - ``GET /load``, ``GET /health``, ``GET /kv_snapshot``, ``POST /reset_prefix_cache``.
 """
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import warnings
 from typing import Any
 
 import httpx
@@ -74,14 +77,22 @@ class WorkerState:
         return out
 
 
-async def _next_output(stream, request: Request):
-    """Wait for the next engine output, aborting if the HTTP client went away."""
+DECODE_HEARTBEAT_S = 0.5  # an empty NDJSON line after this long without a decode output
+
+
+async def _next_output(stream, request: Request, heartbeat_s: float | None = None):
+    """Wait for the next engine output, aborting if the HTTP client went away. With
+    ``heartbeat_s``, return None after that long without output (the caller sends a heartbeat)."""
+    waited = 0.0
     while True:
         try:
             item = await asyncio.wait_for(stream.queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 raise ConnectionAbortedError from None
+            waited += 0.25
+            if heartbeat_s is not None and waited >= heartbeat_s:
+                return None
             continue
         if isinstance(item, BaseException):
             raise RuntimeError(f"engine failed: {item!r}")
@@ -136,8 +147,9 @@ def build_app(st: WorkerState) -> FastAPI:
 
     @app.post("/handoff/release")
     async def release(body: dict):
+        """Free one staging; with ``generation`` only if it is still that staging."""
         if st.sender is not None:
-            st.sender.release(body["request_id"])
+            st.sender.release(body["request_id"], body.get("generation"))
         return {"ok": True}
 
     @app.post("/decode")
@@ -201,7 +213,7 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
 
     arr, token_ids, handle = await asyncio.to_thread(export_and_stage)
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
-        st.sender.release(rid)
+        st.sender.release(rid, handle["generation"])
     handle["release_url"] = f"{_self_url(request)}/handoff/release"
     resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
     return resp
@@ -230,20 +242,29 @@ def _self_url(request: Request) -> str:
 
 
 async def _decode(st: WorkerState, body: dict, request: Request):
+    """Fetch the handoff as a verified private copy, then admit the request for decoding.
+
+    A verified copy, not a zero-copy view of the sender's arena: the engine copies imported KV
+    into its pool only when it has blocks for it, possibly long after this call, and by then the
+    sender may have reclaimed and restaged the region. The copy is checked (generation before
+    and after, checksum of the copy) before the engine ever sees it (issue 7 §1). Its cost is
+    one extra memcpy plus one xxh3 pass (benchmarks/bench_handoff.py)."""
+    from cpd.worker.handoff import HandoffStaleError
     rid = body["request_id"]
     handle = body["handoff"]
-    try:  # same host: a zero-copy view of the sender's arena, copied once into our KV pool
-        kv = await asyncio.to_thread(st.receiver.view, handle)
-    except Exception as e:  # sender gone or handle stale: the router fails fast / retries
+    try:
+        kv = await asyncio.to_thread(st.receiver.fetch, handle)
+    except HandoffStaleError as e:  # released, reclaimed or restaged: never decode over it
+        return JSONResponse({"error": f"handoff stale: {e}", "code": "handoff_stale"}, status_code=410)
+    except Exception as e:  # sender gone or bad handle: the router re-prefills elsewhere
         asyncio.create_task(_release(st, handle, rid))
-        return JSONResponse({"error": f"handoff fetch failed: {e!r}"}, status_code=502)
+        return JSONResponse({"error": f"handoff fetch failed: {e!r}", "code": "handoff_unavailable"},
+                            status_code=502)
     stream = st.runner.open_stream(rid)
 
     def add():
         import torch
-        with warnings.catch_warnings():  # the arena view is read-only; the engine only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            kv_t = torch.from_numpy(kv)
+        kv_t = torch.from_numpy(kv)
         with st.runner.engine_lock:
             st.engine.add_decode_request(rid, body["token_ids"], kv_t, _sampling(body["sampling"]),
                                          num_generated=int(body.get("num_generated", 1)),
@@ -259,19 +280,26 @@ async def _decode(st: WorkerState, body: dict, request: Request):
 
 
 async def _release(st: WorkerState, handle: dict, rid: str) -> None:
+    """Release the sender's staging named by ``handle`` (that generation only)."""
     try:
-        await st.http.post(handle["release_url"], json={"request_id": rid})
-    except httpx.HTTPError:
+        await st.http.post(handle["release_url"], json={"request_id": handle.get("request_id", rid),
+                                                        "generation": handle.get("generation")}, timeout=5.0)
+    except (httpx.HTTPError, KeyError):
         pass  # the sender reclaims unreleased regions after a timeout
 
 
 async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, handle: dict):
-    """Relay engine outputs as NDJSON. The sender's staging region is released once the
-    engine has copied the KV in (it has by the first output) or when the request ends."""
+    """Relay engine outputs as NDJSON, with an empty heartbeat line after each
+    ``DECODE_HEARTBEAT_S`` without output. The sender's staging is released at the first output
+    (held until then so that the router can retry this decode on another worker from the same
+    staging if this one fails before its first token) or when the request ends."""
     finished = released = False
     try:
         while not finished:
-            out = await _next_output(stream, request)
+            out = await _next_output(stream, request, heartbeat_s=DECODE_HEARTBEAT_S)
+            if out is None:
+                yield "\n"
+                continue
             finished = out.finished
             if not released:
                 released = True
@@ -283,5 +311,5 @@ async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, ha
         if not finished:
             st.runner.abort(rid)
         st.runner.close_stream(rid)
-        if not released:  # aborted before admission: the engine drops the view with the request
+        if not released:  # aborted before its first output
             asyncio.create_task(_release(st, handle, rid))
