@@ -183,8 +183,8 @@ class CPDBackend:
                 yield chunk
                 if chunk.finish_reason is not None:
                     outcome = "ok"
-        except GeneratorExit:
-            outcome = "cancelled"
+        except (GeneratorExit, asyncio.CancelledError):  # closed at a yield, or cancelled mid-await
+            outcome = "cancelled"                         # (the front cancels on client disconnect)
             raise
         finally:
             self.in_flight -= 1

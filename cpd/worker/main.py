@@ -6,7 +6,6 @@ once the engine is loaded and the HTTP server listens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -15,7 +14,7 @@ import socket
 import uvicorn
 
 from cpd.worker.runtime import EngineRunner
-from cpd.worker.server import WorkerState, build_app
+from cpd.worker.server import WorkerState, build_app, worker_info
 
 log = logging.getLogger("cpd.worker")
 
@@ -99,9 +98,8 @@ def main(argv=None) -> None:
     sock.bind((a.host, a.port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
     server = uvicorn.Server(config)
-    ready = {"worker_id": a.worker_id, "role": a.role, "port": a.port, "events_port": a.events_port,
-             "kv_bytes_per_token": st.engine.kv_bytes_per_token, "max_model_len": st.engine.max_model_len,
-             "namespace": dataclasses.asdict(st.engine.namespace), "model_name": _model_name(a.model)}
+    st.model_name = _model_name(a.model)
+    ready = {**worker_info(st), "port": a.port, "events_port": a.events_port}
     print("READY " + json.dumps(ready), flush=True)
     try:
         server.run(sockets=[sock])

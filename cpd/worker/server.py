@@ -16,6 +16,7 @@ Internal API (JSON; not OpenAI — only the router calls it):
   names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable sender
   502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
 - ``POST /handoff/release`` body: request_id, generation — frees that staging only.
+- ``GET /info`` — role, KV namespace, max_model_len, boot id (see :func:`worker_info`).
 - ``GET /load``, ``GET /health``, ``GET /kv_snapshot``, ``POST /reset_prefix_cache``.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -51,6 +53,8 @@ class WorkerState:
         self.publisher = publisher
         self.connector = connector
         self.http = httpx.AsyncClient(timeout=10.0)
+        self.boot_id = uuid.uuid4().hex  # tells the router this process restarted (it rechecks /info)
+        self.model_name = ""
         self._fallbacks_reported: dict[str, int] = {}
         self._transfers_reported: dict[str, tuple[int, float]] = {}
 
@@ -78,6 +82,15 @@ class WorkerState:
 
 
 DECODE_HEARTBEAT_S = 0.5  # an empty NDJSON line after this long without a decode output
+
+
+def worker_info(st: WorkerState) -> dict[str, Any]:
+    """Identity and capacity of this worker: the ``READY`` line and ``GET /info`` report it."""
+    import dataclasses
+    return {"worker_id": st.worker_id, "role": st.role, "boot_id": st.boot_id,
+            "model_name": getattr(st, "model_name", ""),
+            "namespace": dataclasses.asdict(st.engine.namespace), "max_model_len": st.engine.max_model_len,
+            "kv_bytes_per_token": st.engine.kv_bytes_per_token}
 
 
 async def _next_output(stream, request: Request, heartbeat_s: float | None = None):
@@ -110,9 +123,15 @@ def build_app(st: WorkerState) -> FastAPI:
         body = {"status": "ok" if h["healthy"] else "error", "role": st.role, "worker_id": st.worker_id, **h}
         return JSONResponse(body, status_code=200 if h["healthy"] else 503)
 
+    @app.get("/info")
+    async def info():
+        """What the router checks before using this worker (:mod:`cpd.router.compat`): role, KV
+        namespace, max_model_len, boot id (new at every process start)."""
+        return worker_info(st)
+
     @app.get("/load")
     async def load():
-        return {"role": st.role, "worker_id": st.worker_id, **st.engine.load_stats(),
+        return {"role": st.role, "worker_id": st.worker_id, "boot_id": st.boot_id, **st.engine.load_stats(),
                 "pool": st.engine.pool_stats(), "handoff": st.sender.stats() if st.sender else None,
                 "handoff_received": st.receiver.stats() if st.receiver else None,
                 "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {}),
