@@ -1,0 +1,163 @@
+"""Issue 7 §2 live: one request never fails a batch or a worker (real processes, real HTTP).
+
+- Every sampling value the API accepts is served: ``temperature: 1e-300`` (the reported
+  example), the smallest double, tiny ``top_p``, extreme seeds — sent concurrently with greedy
+  requests, which keep the oracle tokens; every worker stays healthy.
+- A request that fails inside a worker's engine step (test-only fault hooks
+  ``CPD_FAULT_*``, read by the real worker processes at start) gets an OpenAI error; the
+  requests around it get their oracle tokens; a worker whose steps keep failing reports 503,
+  the router routes around it and routes to it again once it recovers.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cpd.engine.faults import SAMPLE_ERROR_ENV, STEP_ERROR_ENV
+from deploy_util import assert_no_leaks, oracle_tokens, random_prompt, routing_record, start
+
+MAX_TOKENS = 8
+SAMPLE_FAULT_SEED = 666
+STEP_FAULT_SEED = 777
+
+
+def _post(dep, prompt: list[int], **sampling) -> httpx.Response:
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **sampling}
+    return httpx.post(f"{dep.url}/v1/completions", json=body, timeout=120)
+
+
+def _tokens(r: httpx.Response) -> list[int]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _worker_health(dep) -> dict[str, int]:
+    return {w["worker_id"]: httpx.get(f"{w['url']}/health", timeout=5).status_code for w in dep.alive_workers()}
+
+
+def _router_view(dep) -> dict[str, bool]:
+    return {wid: w["healthy"] for wid, w in httpx.get(f"{dep.url}/cpd/workers", timeout=5).json().items()}
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model_dir):
+    d = start(tiny_model_dir, "cpd", extra_env={SAMPLE_ERROR_ENV: SAMPLE_FAULT_SEED, STEP_ERROR_ENV: STEP_FAULT_SEED})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    cache = {}
+
+    def get(prompt):
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(dep):
+    yield
+    assert_no_leaks(dep)
+
+
+EXTREMES = [
+    {"temperature": 1e-300},
+    {"temperature": 5e-324},
+    {"temperature": 1e-300, "top_p": 5e-324, "seed": -(2 ** 63)},
+    {"temperature": 2.0, "top_p": 1e-300},
+    {"temperature": 2.0, "top_p": 1.0},
+    {"temperature": 0.7, "seed": 2 ** 64 - 1},
+    {"temperature": 1.0, "top_p": 0.999999, "seed": 0},
+    {"temperature": 0.0, "seed": -1},
+]
+
+
+def test_extreme_accepted_sampling_values_are_served_beside_greedy(dep, oracle):
+    greedy = [random_prompt(300 + i, 40 + 9 * i) for i in range(4)]
+    extreme_prompt = greedy[0]
+    with ThreadPoolExecutor(len(greedy) + len(EXTREMES)) as pool:
+        g = [pool.submit(_post, dep, p) for p in greedy]
+        x = [pool.submit(_post, dep, extreme_prompt, **s) for s in EXTREMES]
+        greedy_out = [f.result() for f in g]
+        extreme_out = [f.result() for f in x]
+    for p, r in zip(greedy, greedy_out):
+        assert _tokens(r) == oracle(p)
+    for s, r in zip(EXTREMES, extreme_out):
+        toks = _tokens(r)  # 200 for every accepted value
+        assert len(toks) == MAX_TOKENS, s
+        if s["temperature"] < 1e-200:  # T → 0 is greedy (the maximum keeps all the mass)
+            assert toks == oracle(extreme_prompt), s
+    assert set(_worker_health(dep).values()) == {200}
+    assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200
+
+
+def test_request_failing_in_sampling_fails_alone(dep, oracle):
+    prompts = [random_prompt(400 + i, 50 + 5 * i) for i in range(4)]
+    with ThreadPoolExecutor(6) as pool:
+        ok = [pool.submit(_post, dep, p) for p in prompts]
+        bad = pool.submit(_post, dep, random_prompt(499, 45), temperature=0.5, seed=SAMPLE_FAULT_SEED)
+        ok_out = [f.result() for f in ok]
+        bad_out = bad.result()
+    assert bad_out.status_code >= 500 and "error" in bad_out.json(), bad_out.text
+    for p, r in zip(prompts, ok_out):
+        assert _tokens(r) == oracle(p)
+    assert set(_worker_health(dep).values()) == {200}
+    assert all(_router_view(dep).values())
+
+
+def test_failing_steps_take_a_worker_out_and_it_comes_back(dep, oracle):
+    # One failed step fails its requests, not the worker.
+    r = _post(dep, random_prompt(500, 40), temperature=0.5, seed=STEP_FAULT_SEED)
+    assert r.status_code >= 500 and "error" in r.json(), r.text
+    assert set(_worker_health(dep).values()) == {200}
+    after = random_prompt(501, 40)
+    assert _tokens(_post(dep, after)) == oracle(after)
+
+    # Steps that keep failing: the worker reports 503 and the router stops routing to it.
+    sick = None
+    for i in range(6):
+        r = _post(dep, random_prompt(510 + i, 40), temperature=0.5, seed=STEP_FAULT_SEED)
+        assert r.status_code >= 500, r.text
+        down = [w for w, code in _worker_health(dep).items() if code == 503]
+        if down:
+            sick = down[0]
+            break
+    assert sick is not None, "a worker whose steps keep failing must report itself unhealthy"
+    t0 = time.monotonic()
+    _wait_for(lambda: _router_view(dep)[sick] is False, 10, f"the router to mark {sick} unhealthy")
+    cold = random_prompt(520, 48)
+    r = _post(dep, cold)
+    assert _tokens(r) == oracle(cold)
+    assert routing_record(dep, r.json()["id"])["prefill_worker"] != sick
+
+    # Nothing fails any more: it recovers (probe after retry_after_s) and gets work again.
+    _wait_for(lambda: _worker_health(dep)[sick] == 200, 30, f"{sick} to report healthy again")
+    _wait_for(lambda: _router_view(dep)[sick] is True, 10, f"the router to route to {sick} again")
+    assert time.monotonic() - t0 < 40
+    records = []
+    for i in range(3):  # each prompt cold (pre-prefill pool), then warm (prefill pool)
+        p = random_prompt(530 + i, 48)
+        for _ in range(2):
+            r = _post(dep, p)
+            assert _tokens(r) == oracle(p)
+            records.append(routing_record(dep, r.json()["id"])["prefill_worker"])
+            time.sleep(0.3)  # the write-through's event reaches the router
+    assert sick in records, records
