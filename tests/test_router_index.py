@@ -135,3 +135,25 @@ def test_l3_resync_replays_events_that_arrive_during_the_listing():
     idx.begin_l3_resync()
     idx.abort_l3_resync()  # a failed listing changes nothing
     assert idx.l3_chunks() == [(4, 2), (6, 2)]
+
+
+def test_l3_observation_spares_chunks_learned_after_the_probe():
+    """A probe that saw nothing, reported after the request's own write-through was announced,
+    must not remove the fresh chunks (only chunks learned before the probe may go)."""
+    t = [0.0]
+    from cpd.router.l3_view import L3View
+    v = L3View(clock=lambda: t[0])
+    v.stored([1, 2])  # learned at t=0
+    t[0] = 10.0
+    v.stored([3, 4])  # learned at t=10, after the probe began (t=5)
+    v.observe([2, 4], present=[], since=5.0)
+    assert v.keys() == [(4, 2)]
+    v.observe([4], present=[], gone=[(4, 2)], since=11.0)  # a later probe: it is gone
+    assert v.keys() == []
+    # a probe that saw a chunk, then a read that found it corrupt (two observations of one
+    # request, same `since`): the first must not re-date the chunk so that the second spares it
+    v.stored([5, 6])  # learned at t=10
+    t[0] = 20.0
+    v.observe([6], present=[(6, 2)], since=15.0)
+    v.observe([6], present=[], gone=[(6, 2)], since=15.0)
+    assert v.keys() == []

@@ -421,9 +421,13 @@ class CPDBackend:
         or corrupt, and only those change — valid chunks before or after a bad one stay, and
         chunks the index had lost are relearned. A plan that promised more L3 blocks than were
         loaded is counted as ``stale_index`` (DESIGN §4)."""
+        # the probes happened during the prefill call (``prefill_s`` long, timed by the worker):
+        # chunks learned since it began (e.g. from this request's own write-through, sealed
+        # after its probe) may be newer than a probe and are spared
+        since = time.monotonic() - float(pre.get("prefill_s") or 0.0)
         for obs in pre.get("l3_observations") or []:
             self.index.observe_l3(obs["block_hashes"], [tuple(k) for k in obs["present"]],
-                                  [tuple(k) for k in obs["gone"]])
+                                  [tuple(k) for k in obs["gone"]], since=since)
         plan = d.load_plan
         if plan.l3_blocks and pre["num_cached_tokens_by_tier"].get("L3", 0) < plan.l3_blocks * self.cfg.block_size:
             self.metrics.fallbacks.labels("stale_index").inc()

@@ -97,10 +97,11 @@ class PrefixIndex:
             self._last_seq.pop(worker_id, None)
 
     def observe_l3(self, block_hashes: Sequence[int], present: Iterable[ChunkKey],
-                   gone: Iterable[ChunkKey] = ()) -> None:
-        """Apply what a worker found in the store (see :meth:`L3View.observe`)."""
+                   gone: Iterable[ChunkKey] = (), since: float | None = None) -> None:
+        """Apply what a worker found in the store (see :meth:`L3View.observe`); ``since`` is a
+        ``time.monotonic()`` before the probe (removals spare chunks learned later)."""
         with self._lock:
-            self._l3.observe(block_hashes, present, gone)
+            self._l3.observe(block_hashes, present, gone, since)
 
     # --- queries -----------------------------------------------------------------
     def match(self, block_hashes: Sequence[int], l3_max_blocks: int | None = None) -> PrefixMatch:

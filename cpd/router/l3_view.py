@@ -15,7 +15,10 @@ It converges to the store from four sources:
   removal naming a chunk size that is not known removes every chunk ending at that hash.
 * Observations reported by workers after they probed or read the store
   (:meth:`L3View.observe`): for every probed hash, exactly the chunks found there; plus the
-  chunks a read found missing or corrupt. Nothing is inferred from ranges.
+  chunks a read found missing or corrupt. Nothing is inferred from ranges. An observation
+  reaches the router after the probe it reports, possibly after a chunk was written and
+  announced meanwhile (typically by the very request's own write-through), so it removes only
+  chunks the view learned before ``since`` (a time before the probe); newer ones stay.
 * Re-announcements: writers re-publish ``BlockStored`` for chunks that already exist.
 * A snapshot (a store listing), taken at router start and after an event gap
   (:meth:`begin_resync` / :meth:`finish_resync`): events and observations that arrive
@@ -25,7 +28,8 @@ Not thread-safe: the owner (:class:`cpd.router.index.PrefixIndex`) serialises ca
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import time
+from typing import Callable, Iterable, Sequence
 
 ChunkKey = tuple[int, int]
 
@@ -38,9 +42,10 @@ class L3View:
             cut into chunks of at most this many blocks (1 for per-block publishers).
     """
 
-    def __init__(self, chunk_blocks: int | None = None):
+    def __init__(self, chunk_blocks: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.chunk_blocks = chunk_blocks
-        self._ends: dict[int, set[int]] = {}
+        self._clock = clock
+        self._ends: dict[int, dict[int, float]] = {}  # last hash -> {n_blocks: when learned}
         self._max_n = 1
         self._journal: list[tuple[str, tuple]] | None = None
 
@@ -59,29 +64,41 @@ class L3View:
             if not ns:
                 continue
             if n in ns:
-                ns.discard(n)
+                del ns[n]
             else:  # the event does not say which chunk: drop all ending there (relearned on use)
                 ns.clear()
             if not ns:
                 del self._ends[last]
 
-    def observe(self, block_hashes: Sequence[int], present: Iterable[ChunkKey], gone: Iterable[ChunkKey] = ()) -> None:
+    def observe(self, block_hashes: Sequence[int], present: Iterable[ChunkKey], gone: Iterable[ChunkKey] = (),
+                since: float | None = None) -> None:
         """Apply what a worker saw in the store: for each of ``block_hashes`` the chunks ending
-        there are exactly those in ``present``; ``gone`` chunks were found missing/corrupt."""
+        there are exactly those in ``present``; ``gone`` chunks were found missing/corrupt.
+        ``since`` (this view's clock; None = no limit): removals spare chunks learned after
+        it, which may be newer than the probe; chunks first learned here are dated ``since``."""
         present = [(int(h), int(n)) for h, n in present]
         gone = [(int(h), int(n)) for h, n in gone]
-        self._log("observe", (list(block_hashes), present, gone))
+        self._log("observe", (list(block_hashes), present, gone, since))
+        seen = set(present)
         for h in block_hashes:
-            self._ends.pop(int(h), None)
-        for key in present:
-            self._add(key)
+            for n in list(self._ends.get(int(h), ())):
+                if (int(h), n) not in seen:
+                    self._discard_older((int(h), n), since)
+        for key in present:  # seen at the probe, i.e. at `since` at the latest: never re-dated later
+            if key[1] not in self._ends.get(key[0], ()):
+                self._add(key, since)
         for key in gone:
-            self.discard(key)
+            self._discard_older(key, since)
 
     def discard(self, key: ChunkKey) -> None:
+        self._discard_older(key, None)
+
+    def _discard_older(self, key: ChunkKey, since: float | None) -> None:
         ns = self._ends.get(key[0])
-        if ns is not None:
-            ns.discard(key[1])
+        if ns is None or key[1] not in ns:
+            return
+        if since is None or ns[key[1]] <= since:
+            del ns[key[1]]
             if not ns:
                 del self._ends[key[0]]
 
@@ -125,7 +142,7 @@ class L3View:
 
     def num_blocks(self) -> int:
         """Blocks named by the chunks (a block in two chunks counts twice)."""
-        return sum(sum(ns) for ns in self._ends.values())
+        return sum(sum(ns.keys()) for ns in self._ends.values())
 
     def keys(self) -> list[ChunkKey]:
         return sorted((h, n) for h, ns in self._ends.items() for n in ns)
@@ -138,8 +155,8 @@ class L3View:
         step = self.chunk_blocks or len(hs)
         return [(hs[min(s + step, len(hs)) - 1], min(s + step, len(hs)) - s) for s in range(0, len(hs), step)]
 
-    def _add(self, key: ChunkKey) -> None:
-        self._ends.setdefault(key[0], set()).add(key[1])
+    def _add(self, key: ChunkKey, learned_at: float | None = None) -> None:
+        self._ends.setdefault(key[0], {})[key[1]] = self._clock() if learned_at is None else learned_at
         self._max_n = max(self._max_n, key[1])
 
     def _log(self, op: str, args: tuple) -> None:
