@@ -300,3 +300,13 @@ def test_cluster_unreachable_then_recovers(cluster, cstore):
         time.sleep(0.2)
     assert c.lookup(hs) == 3
     assert [a.tobytes() for a in c.load(hs)] == [b.tobytes() for b in blocks]
+
+
+def test_cluster_listing_covers_every_node(cstore):
+    """The store listing (what a restarted router rebuilds its L3 view from) sees every primary."""
+    s, _ = cstore(2)
+    hs = list(range(5000, 5040))
+    s.put_blocks(hs, rand_blocks(40))
+    keys = s.list_visible()
+    assert sorted(keys) == sorted((hs[e - 1], 2) for e in range(2, 41, 2))
+    assert len({s.r.get_node_from_key(s._key(k)).name for k in keys}) >= 2

@@ -347,3 +347,61 @@ def test_open_store_urls(tmp_path, redis_server):
     assert r.chunk_blocks == 2 and r.prefix == "x:" and r.ping()
     with pytest.raises(ValueError):
         open_store("s3://bucket")
+
+
+# --- what the router's L3 view is rebuilt and corrected from (issue 7 §6) -------------------
+
+def _stored_chunks(ev):
+    return [list(e.block_hashes) for e in ev if isinstance(e, BlockStored)]
+
+
+def test_listing_reannounce_and_per_chunk_events(make_store):
+    s, ev = make_store(4)
+    hs, blocks = hashes(10), rand_blocks(10)
+    assert s.put_blocks(hs, blocks) == 10
+    chunks = [hs[0:4], hs[4:8], hs[8:10]]
+    assert _stored_chunks(ev) == chunks  # one event per chunk, chain order
+    assert sorted(s.list_visible()) == sorted([(hs[3], 4), (hs[7], 4), (hs[9], 2)])
+    # writing what exists writes nothing but re-announces every existing chunk
+    ev.clear()
+    assert s.put_blocks(hs, blocks) == 0
+    assert _stored_chunks(ev) == chunks
+    # a writer's probe re-announces the chunks covering the leading blocks it found
+    ev.clear()
+    assert s.lookup_prefix(hs + [7, 8], announce=True, block_size=16) == 10
+    assert _stored_chunks(ev) == chunks
+    # a delete names each removed chunk with its blocks
+    ev.clear()
+    assert s.delete([hs[7]]) == 1
+    assert [e.block_hashes for e in ev if isinstance(e, BlockRemoved)] == [[hs[7]]]
+    ev.clear()
+    assert s.delete(hs) == 2
+    assert sorted(e.block_hashes for e in ev if isinstance(e, BlockRemoved)) == [hs[0:4], hs[8:10]]
+    assert s.list_visible() == []
+
+
+def test_reads_report_exactly_what_is_present_and_gone(make_store):
+    """A corrupt chunk in the middle: the observation names it gone and the others present."""
+    s, ev = make_store(4)
+    seen = []
+    s.observation_sink = seen.append
+    hs, blocks = hashes(12), rand_blocks(12)
+    s.put_blocks(hs, blocks)
+    key = (hs[7], 4)
+    if s.backend == "file":
+        p = s._path(key)
+        raw = bytearray(open(p, "rb").read())
+        raw[len(raw) // 2] ^= 0xFF
+        open(p, "wb").write(bytes(raw))
+    else:
+        raw = bytearray(s.r.get(s._key(key)))
+        raw[len(raw) // 2] ^= 0xFF
+        s.r.set(s._key(key), bytes(raw))
+    assert s.lookup_prefix(hs) == 12
+    assert seen[-1].block_hashes == hs and sorted(seen[-1].present) == [(hs[3], 4), key, (hs[11], 4)]
+    blocks_read, reason = s.read_blocks(hs)
+    assert blocks_read is None and reason == "corrupt"
+    obs = seen[-1]
+    assert obs.gone == [key] and sorted(obs.present) == [(hs[3], 4), (hs[11], 4)]
+    assert [e.block_hashes for e in ev if isinstance(e, BlockRemoved)] == [hs[4:8]]
+    assert s.lookup_prefix(hs) == 4  # the valid leading chunk is still served

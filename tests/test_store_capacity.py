@@ -196,3 +196,57 @@ def test_file_capacity_sees_other_writers(tmp_path):
     assert a.stats().num_chunks == 0  # capacity 1 byte: nothing fits
     assert {h for e in removed(ev) for h in e.block_hashes} == set(range(10)) | {99}
     assert not [n for n in os.listdir(tmp_path / "kv") if n.endswith(".kv")]
+
+
+# --- a default capacity sized from the machine (issue 7 §8) --------------------------------
+
+def test_default_capacity_sizing_rule():
+    from cpd.store import capacity as c
+    G = 1 << 30
+    assert c.default_capacity_bytes(10 * G, 2 * G, 64 * G, ram_backed=False) == 6 * G  # half of free + held
+    assert c.default_capacity_bytes(10 * G, 2 * G, 16 * G, ram_backed=True) == 4 * G  # tmpfs: a quarter of RAM
+    assert c.default_capacity_bytes(0, 0, 0, ram_backed=False) == c.FLOOR_BYTES
+    assert c.default_capacity_bytes(1 << 50, 0, 0, ram_backed=False) == c.CAP_BYTES
+    # what the store already holds counts, so a process opening a full store gets the same figure
+    assert c.default_capacity_bytes(6 * G, 4 * G, 64 * G, False) == c.default_capacity_bytes(10 * G, 0, 64 * G, False)
+    assert c.fs_type("/proc") == "proc"
+
+
+def test_default_file_store_is_bounded_and_overridable(tmp_path):
+    from cpd.store.capacity import machine_default_capacity_bytes
+    root = tmp_path / "kv"
+    s = open_store(f"file://{root}")
+    assert s.capacity_bytes == machine_default_capacity_bytes(str(root)) > 0
+    s.close()
+    assert open_store(f"file://{root}?capacity_bytes=0").capacity_bytes == 0  # unlimited only if asked
+    assert open_store(f"file://{root}?capacity_bytes=1M").capacity_bytes == 1 << 20
+    assert open_store(f"file://{root}?capacity_bytes=1M", capacity_bytes=5000).capacity_bytes == 5000  # the flag
+    assert open_store(redis_url_placeholder := "redis://127.0.0.1:1").capacity_bytes == 0  # redis: server's maxmemory
+    del redis_url_placeholder
+
+
+def test_default_file_store_evicts_lru_and_publishes(tmp_path, monkeypatch):
+    """The default path (no capacity given) with the sizing shrunk to three chunks: the store
+    evicts least-recently-used chunks and names each evicted chunk in one BlockRemoved."""
+    from cpd.store import capacity
+    blocks = rand_blocks(2)
+    probe = open_store(f"file://{tmp_path / 'probe'}", chunk_blocks=2, capacity_bytes=0)
+    probe.put_blocks([1, 2], blocks)
+    one = probe.stats().bytes
+    probe.close()
+    monkeypatch.setattr(capacity, "FLOOR_BYTES", 0)
+    monkeypatch.setattr(capacity, "CAP_BYTES", 3 * one)
+    ev = []
+    s = open_store(f"file://{tmp_path / 'kv'}", chunk_blocks=2, event_sink=ev.append)
+    assert s.capacity_bytes == 3 * one
+    for i in range(5):
+        s.put_blocks([10 * i + 1, 10 * i + 2], blocks)
+        time.sleep(0.02)  # distinct mtimes (the kernel's file timestamps are clock-tick coarse)
+        if i == 2:
+            assert s.get_blocks([1, 2]) is not None  # chunk 0 used: most recent
+            time.sleep(0.02)
+    assert s.stats().bytes <= 3 * one
+    rm = removed(ev)
+    assert [e.block_hashes for e in rm] == [[11, 12], [21, 22]] and all(e.medium == "L3" for e in rm)
+    assert s.lookup_prefix([1, 2]) == 2 and s.lookup_prefix([41, 42]) == 2
+    s.close()
