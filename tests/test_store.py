@@ -405,3 +405,18 @@ def test_reads_report_exactly_what_is_present_and_gone(make_store):
     assert obs.gone == [key] and sorted(obs.present) == [(hs[3], 4), (hs[11], 4)]
     assert [e.block_hashes for e in ev if isinstance(e, BlockRemoved)] == [hs[4:8]]
     assert s.lookup_prefix(hs) == 4  # the valid leading chunk is still served
+
+
+def test_connector_observations_bounded_and_drained(make_store):
+    s, _ = make_store(2)
+    c = L3Connector(s, write_async=False, max_observations=3)
+    hs = hashes(4)
+    c.save(hs, None, [], rand_blocks(4))
+    for i in range(5):
+        assert c.lookup(hs[:i % 4 + 1]) in (0, 2, 4)
+    got = c.drain_observations()
+    assert len(got) == 3 and got[-1]["block_hashes"] == hs[:1]  # the latest three, oldest first
+    assert c.drain_observations() == []
+    # a writer's probe re-announces what exists and tells how much needs no write
+    assert c.lookup_and_announce(hs, None, [], 16) == 4
+    c.close()
