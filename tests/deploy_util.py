@@ -62,5 +62,6 @@ def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int) -> list[in
     """Greedy tokens of one plain in-process engine running the prompt alone (DESIGN §4 oracle)."""
     from cpd.engine.engine import Engine
     from cpd.engine.sampling import SamplingParams
-    return Engine(model_dir, num_blocks=64).generate(
+    num_blocks = max(64, -(-(len(prompt) + max_tokens) // 16) + 1)  # room for the whole sequence
+    return Engine(model_dir, num_blocks=num_blocks).generate(
         prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
