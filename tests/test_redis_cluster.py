@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -63,18 +64,21 @@ class RedisCluster3:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
-    def start(self, create: bool = False) -> None:
+    def _spawn(self, p: int) -> subprocess.Popen:
         exe = shutil.which("redis-server")
         if exe is None or shutil.which("redis-cli") is None:
             pytest.fail("redis-server/redis-cli not installed")
+        d = self.tmp / str(p)
+        d.mkdir(parents=True, exist_ok=True)
+        return subprocess.Popen(
+            [exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(d), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", "1000", *self.extra_args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def start(self, create: bool = False) -> None:
         for p in self.ports:
-            d = self.tmp / str(p)
-            d.mkdir(parents=True, exist_ok=True)
-            self.procs.append(subprocess.Popen(
-                [exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(d), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", "1000", *self.extra_args],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(self._spawn(p))
         for p in self.ports:
             self._wait_port(p)
         if create:
@@ -109,6 +113,17 @@ class RedisCluster3:
         for pr in self.procs:
             pr.wait(10)
         self.procs = []
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL node ``i`` (its slots' data is lost: no persistence, no replica)."""
+        self.procs[i].kill()
+        self.procs[i].wait(10)
+
+    def restart_node(self, i: int) -> None:
+        """Start node ``i`` again on its port with its nodes.conf (it rejoins empty)."""
+        self.procs[i] = self._spawn(self.ports[i])
+        self._wait_port(self.ports[i])
+        self.wait_ok()
 
     def flush(self) -> None:
         for p in self.ports:
@@ -310,3 +325,49 @@ def test_cluster_listing_covers_every_node(cstore):
     keys = s.list_visible()
     assert sorted(keys) == sorted((hs[e - 1], 2) for e in range(2, 41, 2))
     assert len({s.r.get_node_from_key(s._key(k)).name for k in keys}) >= 2
+
+
+def test_live_deployment_survives_a_cluster_node_killed(cluster, tiny_model_dir):
+    """Issue 7 §10: one node of the Redis Cluster SIGKILLed under a live deployment. Requests
+    keep the oracle's tokens and never hang (store faults -> recompute); after the node is back
+    (empty: what it held is lost), the router's L3 view converges — within two requests per
+    prompt the planned tiers are the loaded tiers."""
+    from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
+
+    max_tokens, bound_s = 8, 30.0
+    cluster.flush()
+    dep = start(tiny_model_dir, "cpd", kv_store=f"{cluster.url}?timeout_s=0.5")
+    try:
+        prompts = [random_prompt(600 + i, 160) for i in range(4)]
+        expected = [oracle_tokens(tiny_model_dir, p, max_tokens) for p in prompts]
+        for p, want in zip(prompts, expected):
+            assert complete(dep, p, max_tokens)["choices"][0]["token_ids"] == want  # cold: written through
+        time.sleep(0.5)
+        assert int(_cli(cluster.ports[0], "dbsize").strip() or 0) > 0  # the node to kill holds blocks
+        dep.reset_prefix_caches()  # from now on a hit can only come from L3
+        cluster.kill_node(0)
+        try:
+            for p, want in zip(prompts, expected):
+                t0 = time.monotonic()
+                assert complete(dep, p, max_tokens)["choices"][0]["token_ids"] == want
+                assert time.monotonic() - t0 < bound_s
+                print(f"node down: request took {time.monotonic() - t0:.2f} s")
+        finally:
+            cluster.restart_node(0)
+        metrics = httpx.get(f"{dep.url}/metrics", timeout=5).text
+        print([ln for ln in metrics.splitlines() if ln.startswith("cpd_fallbacks_total")])
+        for p, want in zip(prompts, expected):
+            for attempt in range(2):
+                dep.reset_prefix_caches()
+                out = complete(dep, p, max_tokens)
+                assert out["choices"][0]["token_ids"] == want
+                rec = routing_record(dep, out["id"])
+                plan, got = rec["load_plan"], rec["cached_tokens_by_tier"]
+                print(f"attempt {attempt}: planned L3 {plan['l3_blocks'] * 16}, loaded {got}")
+                if got.get("L3", 0) == plan["l3_blocks"] * 16:
+                    break
+            else:
+                pytest.fail(f"L3 view did not converge after two requests: {rec}")
+        assert_no_leaks(dep)
+    finally:
+        dep.stop()
