@@ -15,6 +15,8 @@ and block pools and handoff stagings back to baseline. The Redis Cluster node ca
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -206,3 +208,41 @@ def test_router_killed_and_restarted_rebuilds_its_view(dep, tiny_model_dir):
         assert got.get("L3", 0) == plan["l3_blocks"] * 16 and got.get("L1", 0) == plan["l1_blocks"] * 16, rec
     text = httpx.get(f"{dep.url}/metrics", timeout=5).text
     assert 'cpd_process_restarts_total{process="router",role="router"} 1.0' in text
+
+
+def test_worker_restart_the_router_missed_is_resynced(dep, tiny_model_dir):
+    """A worker that died and came back between two router polls (here: the router is frozen
+    with SIGSTOP meanwhile) restarts its event sequence at 0 and has an empty cache. The router
+    must notice the restart (a new ``boot_id``) and rebuild that worker's L1/L2 view — not keep
+    its old blocks and ignore its new events as "old sequence numbers"."""
+    prompts = [random_prompt(530 + i, 64) for i in range(6)]
+    for p in prompts:  # cold on pp0, then warm on p0: p0 publishes a few event batches
+        _timed_complete(dep, p)
+    time.sleep(0.5)
+    for p in prompts:
+        assert routing_record(dep, _timed_complete(dep, p)["id"])["prefill_worker"] == "p0"
+    router_pid = dep.pids()["router"]
+    os.kill(router_pid, signal.SIGSTOP)
+    try:
+        dep.kill_worker("p0")
+        deadline = time.monotonic() + 60
+        while not (dep.children["p0"].restarts and dep.children["p0"].ready.is_set()):
+            assert time.monotonic() < deadline, "p0 was not restarted"
+            time.sleep(0.1)
+    finally:
+        os.kill(router_pid, signal.SIGCONT)
+    time.sleep(2.0)  # a few polls
+    old = _timed_complete(dep, prompts[0])  # its blocks died with the old p0: no L1 promised there
+    rec = routing_record(dep, old["id"])
+    assert old["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompts[0], MAX_TOKENS)
+    assert rec["cached_tokens_by_tier"].get("L1", 0) == rec["load_plan"]["l1_blocks"] * 16, rec
+    fresh = random_prompt(540, 64)
+    _timed_complete(dep, fresh)  # cold: pp0
+    time.sleep(0.5)
+    _timed_complete(dep, fresh)  # warm: the new p0 loads it and announces it (its sequence restarted)
+    time.sleep(0.5)
+    out = _timed_complete(dep, fresh)
+    rec = routing_record(dep, out["id"])
+    assert rec["prefill_worker"] == "p0" and rec["load_plan"]["l1_blocks"] > 0, rec  # the router learned it
+    assert rec["cached_tokens_by_tier"].get("L1", 0) == rec["load_plan"]["l1_blocks"] * 16, rec
+    assert out["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, fresh, MAX_TOKENS)

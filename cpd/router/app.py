@@ -67,10 +67,18 @@ class Router:
 
     async def _admit(self, w: WorkerInfo) -> bool:
         """Check one worker's namespace and capacity (:mod:`cpd.router.compat`); a refused one
-        loses its index entries and is never routed to."""
+        loses its index entries and is never routed to. A worker that restarted (new ``boot_id``,
+        e.g. restarted by ``cpd serve`` between two polls) has an empty cache and an event
+        sequence that starts over: its entries are dropped and rebuilt from its snapshot."""
+        old_boot_id = w.boot_id
         ok = await compat.admit(self.client, w, self.requirements)
-        if not ok:
+        restarted = old_boot_id is not None and w.boot_id != old_boot_id
+        if not ok or restarted:
             self.index.drop_worker(w.worker_id)
+        if ok and restarted:
+            log.warning("worker %s restarted (boot id %s -> %s): rebuilding its index entries", w.worker_id,
+                        old_boot_id, w.boot_id)
+            self._resync_pending.add(w.worker_id)
         return ok
 
     def _on_unhealthy(self, worker_id: str) -> None:
