@@ -122,10 +122,14 @@ def test_arrival_times_scale_and_spread():
 
 
 def _naive_reuse(lines):
+    """Reuse ratio = tokens of the leading run of already-seen blocks / prompt tokens."""
     seen, out = set(), []
     for d in lines:
-        h = d["hash_ids"]
-        out.append(sum(x in seen for x in h) / len(h))
+        h, n = d["hash_ids"], d["input_length"]
+        k = 0
+        while k < len(h) and h[k] in seen:
+            k += 1
+        out.append(min(512 * k, n) / n)
         seen.update(h)
     return out
 
@@ -136,7 +140,7 @@ def test_reuse_and_class_on_real_trace():
     reqs = build_requests(load_mooncake(TRACE, 0, 50), V, tokens_per_hash_id=4)
     expect = _naive_reuse(lines)
     assert [q.reuse for q in reqs] == pytest.approx(expect)
-    assert reqs[0].reuse == 0 and reqs[1].reuse == pytest.approx(1 / 15)  # only block 0 is shared
+    assert reqs[0].reuse == 0 and reqs[1].reuse == pytest.approx(512 / lines[1]["input_length"])  # only block 0 is shared
     assert [q.trace_class for q in reqs] == ["warm" if x >= 0.5 else "cold" for x in expect]
     assert {q.id for q in reqs} == {f"r{i}" for i in range(50)}
     strict = build_requests(load_mooncake(TRACE, 0, 50), V, tokens_per_hash_id=4, warm_threshold=0.05)

@@ -35,7 +35,7 @@ from cpd.engine.scheduler import SchedulerConfig
 from cpd.policy.cost_model import Efficiency, RooflineCostModel
 from cpd.policy.routing import ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, LinearCostModel, RoutingConfig
 from cpd.sim.simulator import ClusterSpec, InstanceSpec, Simulator
-from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload, load_mooncake
+from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload
 
 EXPERIMENTS_DIR = Path(__file__).parent / "experiments"
 
@@ -121,14 +121,55 @@ def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None
         names = {f.name for f in fields(AgentWorkload)}
         aw = AgentWorkload(**{k: v for k, v in w.items() if k in names})
         return agent_workload(aw, total_qps, dur, exp.get("ramp_s", 30), seed)
-    if kind == "mooncake":
-        reqs = load_mooncake(w["path"], tokens_per_hash_id=w.get("tokens_per_hash_id", 512),
-                             spread_ticks_s=w.get("spread_ticks_s", 0.0))
-        natural = len(reqs) / max(1e-9, reqs[-1].arrival_s - reqs[0].arrival_s)
-        scale = total_qps / natural
-        return [SimRequest(r.arrival_s / scale, r.prompt_tokens, r.output_tokens, r.blocks, r.tag)
-                for r in reqs if r.arrival_s / scale < dur], []
+    if kind == "mooncake":  # legacy spelling of {"kind": "trace"} for Mooncake files
+        w = {"path": w["path"], "tokens_per_block": w.get("tokens_per_hash_id"),
+             "spread_ticks": w.get("spread_ticks_s", 0.0) > 0, "tick_ms": 1000.0 * w.get("spread_ticks_s", 3.0)}
+        kind = "trace"
+    if kind == "trace":
+        return trace_point(w, total_qps, dur, exp.get("block_size", 512), seed), []
     raise ValueError(f"unknown workload kind {kind!r}")
+
+
+def trace_point(w: dict, total_qps: float, dur: float, sim_block_tokens: int, seed: int) -> list[SimRequest]:
+    """A trace at ``total_qps`` with the live replay's arrival model (:mod:`cpd.traces.arrivals`).
+
+    Timed traces (Mooncake, Azure) are time-scaled to ``total_qps``. Claude Code sessions start as
+    a Poisson process at ``total_qps / mean requests per session`` (open loop), unless ``users``
+    is set (closed loop, ``total_qps`` then ignored). Only requests arriving before ``dur`` (open
+    loop) and only the sessions that start before it are converted.
+    """
+    from dataclasses import fields as dfields
+
+    from cpd.sim.workload import trace_workload
+    from cpd.traces import ReplayOptions, poisson_starts
+
+    trace = _read_trace_cached(w["path"])
+    names = {f.name for f in dfields(ReplayOptions)}
+    opts = ReplayOptions(**{k: v for k, v in w.items() if k in names and v is not None})
+    opts.seed = seed if "seed" not in w else w["seed"]
+    n = trace.num_requests()
+    if trace.timed:
+        reqs = trace.sessions[0].requests
+        natural = len(reqs) / max(1e-9, reqs[-1].t_s - reqs[0].t_s)
+        opts.time_scale = total_qps / natural
+    elif opts.users is None:
+        opts.session_rate = total_qps / (n / len(trace.sessions))
+        starts = poisson_starts(len(trace.sessions), opts.session_rate, opts.seed)
+        opts.max_sessions = max(1, sum(1 for s in starts if s < dur))
+    out = trace_workload(trace, opts, sim_block_tokens)
+    return out if opts.users is not None else [r for r in out if r.arrival_s < dur]
+
+
+_TRACES: dict = {}
+
+
+def _read_trace_cached(path: str):
+    """Traces are read once per process (a sweep converts the same trace at every point)."""
+    from cpd.traces import read_trace
+
+    if path not in _TRACES:
+        _TRACES[path] = read_trace(path)
+    return _TRACES[path]
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -119,6 +119,14 @@ class _Inst:
         self.steps = 0
 
 
+def _deps(r: SimRequest) -> tuple[int, ...]:
+    """Indices of the requests ``r`` waits for (``after``: -1, one index, or a tuple)."""
+    a = r.after
+    if isinstance(a, tuple):
+        return a
+    return (a,) if a >= 0 else ()
+
+
 class Simulator:
     """Run one workload on one cluster; results via :meth:`records` and counters.
 
@@ -149,10 +157,10 @@ class Simulator:
         self.v_l1 = {w.wid: set() for w in self.insts}
         self.v_l2 = {w.wid: set() for w in self.insts}
         self.v_l3: set[int] = set()
-        if any(r.after >= 0 for r in requests):
+        if any(_deps(r) for r in requests):
             self.reqs = list(requests)  # closed loop: indices must stay as generated
-            if any(b.arrival_s < a.arrival_s for a, b in zip(self.reqs, self.reqs[1:])):
-                raise ValueError("closed-loop requests must be in arrival order")
+            if any(d >= i for i, r in enumerate(self.reqs) for d in _deps(r)):
+                raise ValueError("closed-loop requests must come after the requests they wait for")
         else:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
         self._parked: dict[int, list[int]] = {}
@@ -230,12 +238,9 @@ class Simulator:
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
         r = self.reqs[i]
-        if r.after >= 0 and not released:
-            prev = self.rec[r.after]
-            if prev is None or prev[8] is None:  # previous turn still running: wait for it
-                self._parked.setdefault(r.after, []).append(i)
-                self.deferred += 1
-                return
+        if not released and self._park(i):
+            self.deferred += 1
+            return
         blocks = r.blocks
         cap = max(0, (r.prompt_tokens - 1) // self.bs)
         l1, l2 = {}, {}
@@ -488,8 +493,19 @@ class Simulator:
         d.waiting.append(ds)
         self._kick(now, d)
 
+    def _park(self, i: int) -> bool:
+        """Park request ``i`` on the first request it waits for that has not finished (False: none)."""
+        for d in _deps(self.reqs[i]):
+            prev = self.rec[d]
+            if prev is None or prev[8] is None:
+                self._parked.setdefault(d, []).append(i)
+                return True
+        return False
+
     def _release(self, now: float, i: int) -> None:
         for j in self._parked.pop(i, ()):
+            if self._park(j):  # still waiting for another request (e.g. a second subagent)
+                continue
             r = self.reqs[j]
             self.at(max(now + r.think_s, r.arrival_s), self._arrive, j, True)
 

@@ -31,9 +31,11 @@ class SimRequest:
         output_tokens: tokens to generate (>= 1).
         blocks: prefix-hash block ids, one per ``block_size`` tokens (the last may be partial).
         tag: workload label (``cold``/``warm`` for the synthetic generator, ``trace`` otherwise).
-        after: closed loop: index (in the request list) of the session's previous turn; the
-            simulator delays this request until that one has finished, plus ``think_s``
-            (-1 = open loop: arrive at ``arrival_s``). Not written to Mooncake JSONL.
+        after: closed loop: index (in the request list) of the session's previous turn, or a
+            tuple of indices (a trace's request waits for every one of them: its predecessor and
+            the subagents it started); the simulator delays this request until they have
+            finished, plus ``think_s`` (-1 = open loop: arrive at ``arrival_s``). Not written to
+            Mooncake JSONL.
         think_s: seconds between the previous turn's last token and this arrival (closed loop).
     """
 
@@ -42,58 +44,41 @@ class SimRequest:
     output_tokens: int
     blocks: tuple[int, ...]
     tag: str = "trace"
-    after: int = -1
+    after: int | tuple[int, ...] = -1
     think_s: float = 0.0
 
 
 def load_mooncake(path: str | Path, time_scale: float = 1.0, tokens_per_hash_id: int = TRACE_BLOCK,
                   limit: int | None = None, spread_ticks_s: float = 0.0, max_prompt_tokens: int | None = None,
                   ) -> list[SimRequest]:
-    """Read a Mooncake JSONL trace.
+    """A Mooncake JSONL trace through :mod:`cpd.traces` (the same conversion and arrival model as
+    ``cpd bench``): ``spread_ticks_s > 0`` spreads each tick over that many seconds (capped by the
+    gap to the next tick), ``time_scale`` 2 = twice the load; block ids are the trace's hash ids."""
+    from cpd.traces import ReplayOptions, read_mooncake
 
-    Args:
-        path: JSONL file.
-        time_scale: arrival = ``timestamp / 1000 / time_scale`` (2.0 = twice the load).
-        tokens_per_hash_id: tokens each hash id stands for (512 in the trace; fewer shrinks
-            the prompt proportionally, keeping prefix structure; lengths scale by this / 512).
-        limit: read at most this many requests.
-        spread_ticks_s: if > 0, spread requests sharing a timestamp uniformly over this many
-            seconds (the conversation trace is quantised to ~3 s ticks), deterministically.
-        max_prompt_tokens: truncate longer prompts by whole trailing blocks.
-    Raises:
-        ValueError: a line violates ``len(hash_ids) == ceil(input_length / 512)``.
-    """
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                break
-            if line.strip():
-                rows.append(json.loads(line))
-    scale = tokens_per_hash_id / TRACE_BLOCK
-    out: list[SimRequest] = []
-    # group by timestamp for optional spreading
-    j = 0
-    while j < len(rows):
-        k = j
-        while k < len(rows) and rows[k]["timestamp"] == rows[j]["timestamp"]:
-            k += 1
-        for idx in range(j, k):
-            r = rows[idx]
-            ids = r["hash_ids"]
-            n_in = int(r["input_length"])
-            if len(ids) != math.ceil(n_in / TRACE_BLOCK):
-                raise ValueError(f"line {idx + 1}: {len(ids)} hash ids for {n_in} tokens")
-            t = r["timestamp"] / 1000.0
-            if spread_ticks_s > 0 and k - j > 1:
-                t += spread_ticks_s * (idx - j) / (k - j)
-            prompt = max(1, int(round(n_in * scale)))
-            if max_prompt_tokens and prompt > max_prompt_tokens:
-                nb = max_prompt_tokens // tokens_per_hash_id
-                ids, prompt = ids[:nb], nb * tokens_per_hash_id
-            out.append(SimRequest(t / time_scale, prompt, max(1, int(r["output_length"])), tuple(ids)))
-        j = k
-    return out
+    opts = ReplayOptions(tokens_per_block=tokens_per_hash_id, time_scale=time_scale, max_requests=limit,
+                         spread_ticks=spread_ticks_s > 0, tick_ms=spread_ticks_s * 1000.0,
+                         max_prompt_tokens=max_prompt_tokens)
+    return trace_workload(read_mooncake(path), opts, sim_block_tokens=tokens_per_hash_id)
+
+
+def trace_workload(trace, opts, sim_block_tokens: int = TRACE_BLOCK) -> list[SimRequest]:
+    """Any trace as simulator requests: :func:`cpd.traces.build_schedule` (the live replay's
+    schedule, request for request) with blocks regrouped to ``sim_block_tokens`` replayed tokens
+    (:func:`cpd.traces.sim_blocks`); ``tag`` = the request kind; closed-loop dependencies kept."""
+    from cpd.traces import Vocab, build_schedule
+
+    sched = build_schedule(trace, opts, Vocab(2))  # token ids are never drawn here
+    return schedule_to_sim(sched, opts.tokens_per_block or trace.block_tokens, sim_block_tokens)
+
+
+def schedule_to_sim(sched, tokens_per_block: int, sim_block_tokens: int) -> list[SimRequest]:
+    """Replay requests → :class:`SimRequest` (arrival, prompt and output tokens, blocks, kind, after, gap)."""
+    from cpd.traces import sim_blocks
+
+    return [SimRequest(q.arrival_s, q.prompt_len, max(1, q.max_tokens),
+                       sim_blocks(q, tokens_per_block, sim_block_tokens), q.kind,
+                       q.after if q.after else -1, q.gap_s) for q in sched]
 
 
 def write_mooncake(reqs: Iterable[SimRequest], path: str | Path) -> None:

@@ -18,12 +18,12 @@ in the trace's own tokens (before any shrink):
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .arrivals import DEFAULT_TICK_MS, arrival_times, poisson_starts, think_gap_s
 from .blocks import BlockTokens, Vocab, block_key, shrink, truncate_blocks
-from .model import Trace, TraceRequest, TraceSession
+from .model import Subagent, Trace, TraceRequest, TraceSession
 
 KINDS = ("cold", "warm_small", "warm_large", "subagent")
 
@@ -55,6 +55,7 @@ class ReplayOptions:
     start: int = 0
     max_requests: int | None = None
     max_sessions: int | None = None
+    max_idle_s: float | None = None
 
     def arrival_model(self, trace: Trace) -> str:
         """One line naming the arrival model in force."""
@@ -81,6 +82,8 @@ class ReplayOptions:
         if not trace.timed and (self.users is None) == (self.session_rate is None):
             raise ValueError("a Claude Code trace needs exactly one arrival model: users N (closed loop) "
                              "or session_rate R (open loop, sessions/s)")
+        if self.max_idle_s is not None and self.max_idle_s < 0:
+            raise ValueError("max_idle_s must be >= 0")
         if self.users is not None and self.users < 1:
             raise ValueError("users must be >= 1")
         for name in ("max_context", "max_prompt_tokens"):
@@ -230,16 +233,40 @@ def _collapse(reqs: list[TraceRequest]) -> list[TraceRequest]:
     return out
 
 
+def _compress_idle(reqs: list[TraceRequest], max_idle_s: float | None) -> list[TraceRequest]:
+    """In-session times with every gap between consecutive requests capped at ``max_idle_s``
+    (a user away for hours would otherwise leave a session idle for the whole replay)."""
+    if max_idle_s is None or not reqs:
+        return reqs
+    out, shift = [reqs[0]], 0.0
+    for a, b in zip(reqs, reqs[1:]):
+        shift += max(0.0, (b.t_s - a.t_s) - max_idle_s)
+        out.append(replace(b, t_s=b.t_s - shift))
+    return out
+
+
+def _shifted(sub: Subagent, orig: list[TraceRequest], placed: list[TraceRequest], opts: ReplayOptions) -> Subagent:
+    """The subagent with its start moved by the idle compression of the parent request it follows."""
+    if opts.max_idle_s is None or not 0 <= sub.after_index < len(placed) or opts.collapse_pairs:
+        return sub
+    i = sub.after_index
+    start = placed[i].t_s + min(opts.max_idle_s, sub.start_s - orig[i].t_s)
+    return Subagent(start, i, sub.session)
+
+
 def _session_items(sess: TraceSession, opts: ReplayOptions, scale: float) -> tuple[list[_Item], list[_Item]]:
     """Items of a session (subagents included) with in-session open-loop times and closed-loop
     dependencies; returns (items in time order, terminal items nobody in the session waits for)."""
     reqs = _collapse(sess.requests) if opts.collapse_pairs else sess.requests
+    reqs = _compress_idle(reqs, opts.max_idle_s)
     items = [_Item(r, sess, i, r.t_s / scale) for i, r in enumerate(reqs)]
     for a, b in zip(items, items[1:]):
         b.after.append(a)
-        b.gap_s = think_gap_s(b.req.t_s, b.req.think_time_s, a.req.t_s, a.req.api_time_s) / scale
+        gap = think_gap_s(b.req.t_s, b.req.think_time_s, a.req.t_s, a.req.api_time_s)
+        b.gap_s = (gap if opts.max_idle_s is None else min(gap, opts.max_idle_s)) / scale
     out, terminals = list(items), set(id(x) for x in items[-1:])
     for sub in sess.subagents:
+        sub = _shifted(sub, sess.requests, reqs, opts)
         sub_items, sub_terms = _session_items(sub.session, opts, scale)
         if not sub_items:
             continue
