@@ -145,6 +145,46 @@ def test_restart_policy_backs_off_exponentially_and_resets():
     assert p.delay_s(p.next_failures(failures, uptime_s=61.0)) == 1.0  # ran long enough: starts over
 
 
+def test_crash_looping_child_backs_off_and_never_stops_the_others(tmp_path):
+    """Real processes under :class:`Supervisor`: one exits at once every time, one keeps running.
+    The crashing one is restarted with growing delays; the other is never touched; after
+    pause() nothing is restarted any more."""
+    from cpd.supervise import Child, Supervisor
+
+    def spawner(code: str):
+        return lambda: subprocess.Popen([sys.executable, "-c", code])
+    crash = Child("crash", "prefill", spawner("import sys; sys.exit(3)"))
+    steady = Child("steady", "decode", spawner("import time; time.sleep(60)"))
+    for c in (crash, steady):
+        c.proc, c.started_at_s = c.spawn(), time.monotonic()
+    starts = []
+    crash.on_started = lambda c: starts.append(time.monotonic())
+    sup = Supervisor([crash, steady], RestartPolicy(0.2, 0.8, 60.0), tmp_path / "status.json", poll_interval_s=0.02)
+    steady_pid = steady.proc.pid
+    sup.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(starts) < 5:
+            assert time.monotonic() < deadline, starts
+            time.sleep(0.05)
+        sup.pause()
+        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        # delays 0.4, 0.8, 0.8, 0.8 between restarts 1..5 (plus the child's own run time)
+        assert gaps[0] >= 0.4 and all(g >= 0.8 for g in gaps[1:]), gaps
+        assert steady.alive() and steady.proc.pid == steady_pid and steady.restarts == 0
+        st = read_status(tmp_path / "status.json")["processes"]
+        assert st["crash"]["restarts"] >= 5 and st["crash"]["last_exit_code"] == 3 and st["steady"]["restarts"] == 0
+        n = crash.restarts
+        time.sleep(1.5)
+        assert crash.restarts == n  # paused: no more restarts
+    finally:
+        sup.close()
+        for c in (crash, steady):
+            if c.alive():
+                c.proc.kill()
+                c.proc.wait(10)
+
+
 def test_killed_idle_decode_worker_restarts_others_keep_serving(serve, tiny_model_dir):
     before = serve.pids()
     os.kill(before["d0"], signal.SIGKILL)
