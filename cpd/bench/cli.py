@@ -13,7 +13,6 @@ runs standalone as ``python -m cpd.bench.cli``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -58,7 +57,7 @@ def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: in
     return type(v)(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
 
 
-def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_hash_id: int = 512,
+def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_hash_id: Optional[int] = None,
               time_scale: float = 1.0, max_requests: Optional[int] = None, start: int = 0, seed: int = 0,
               max_prompt_tokens: Optional[int] = None, max_output_tokens: Optional[int] = None,
               spread_ticks: bool = False,
@@ -68,6 +67,10 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
               tokenizer: Optional[str] = None, vocab_size: Optional[int] = None,
               special_ids: Optional[str] = None, warm_threshold: float = 0.5,
               context_len: Optional[int] = None, api_key: Optional[str] = None,
+              users: Optional[int] = None, session_rate: Optional[float] = None,
+              shared_prefix_fraction: float = 0.0, max_context: Optional[int] = None,
+              max_sessions: Optional[int] = None, max_idle_s: Optional[float] = None,
+              large_suffix_tokens: int = 8192, collapse_pairs: bool = False, azure_prefix_tokens: int = 0,
               quiet: bool = False, console: Any = None) -> dict[str, Any]:
     """Whole ``cpd bench run`` flow; returns ``{"config", "summary", "records"}``.
 
@@ -78,9 +81,10 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
     """
     from rich.console import Console
 
+    from cpd.traces import ReplayOptions, build_schedule, options_record, read_trace
+
     from . import client as bc
     from . import report
-    from .trace import TraceConfig, load_requests
 
     console = console or Console()
     cards = bc.fetch_models(url, api_key=api_key)
@@ -90,17 +94,26 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
         context_len = card["max_model_len"]
     if context_len is not None and context_len <= 0:
         context_len = None  # --context-len 0: no context cap
-    tcfg = TraceConfig(trace=str(trace), start=start, max_requests=max_requests, seed=seed,
-                       tokens_per_hash_id=tokens_per_hash_id, max_prompt_tokens=max_prompt_tokens,
-                       max_output_tokens=max_output_tokens,
-                       time_scale=time_scale, spread_ticks=spread_ticks, warm_threshold=warm_threshold,
-                       context_len=context_len)
-    reqs = load_requests(tcfg, vocab)
+    try:
+        tr = read_trace(trace)
+    except ValueError as e:  # TraceFormatError: file, line, what was expected
+        raise typer.BadParameter(str(e), param_hint="--trace") from None
+    opts = ReplayOptions(tokens_per_block=tokens_per_hash_id, seed=seed, time_scale=time_scale,
+                         spread_ticks=spread_ticks, users=users, session_rate=session_rate,
+                         shared_prefix_fraction=shared_prefix_fraction, azure_prefix_tokens=azure_prefix_tokens,
+                         max_context=max_context, max_prompt_tokens=max_prompt_tokens, context_len=context_len,
+                         max_output_tokens=max_output_tokens, cold_threshold=warm_threshold,
+                         large_suffix_tokens=large_suffix_tokens, collapse_pairs=collapse_pairs, start=start,
+                         max_requests=max_requests, max_sessions=max_sessions, max_idle_s=max_idle_s)
+    try:
+        reqs = build_schedule(tr, opts, vocab)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     if not quiet:
-        last = reqs[-1].arrival_s if reqs else 0.0
-        console.print(f"[bold]cpd bench[/]: {len(reqs)} requests over {last:.1f}s to {url} "
-                      f"(model {card['id']}, vocab {vocab.size} from {vocab.source}, "
-                      f"{'spread' if spread_ticks else 'bursty'} ticks)")
+        last = max((r.arrival_s for r in reqs), default=0.0)
+        console.print(f"[bold]cpd bench[/]: {len(reqs)} requests ({tr.format}, {opts.arrival_model(tr)}; "
+                      f"last scheduled arrival {last:.1f}s) to {url} "
+                      f"(model {card['id']}, vocab {vocab.size} from {vocab.source})")
     done = [0]
 
     def on_done(_rec):
@@ -115,7 +128,8 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
               "max_concurrency": max_concurrency, "timeout_s": timeout_s,
               "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
               "arrival_mode": "spread_ticks" if spread_ticks else "bursty_ticks",
-              "special_ids": list(vocab.special_ids), **asdict(tcfg)}
+              "special_ids": list(vocab.special_ids), "tokens_per_hash_id": tokens_per_hash_id,
+              "warm_threshold": warm_threshold, **options_record(tr, opts, vocab)}
     if not quiet:
         report.print_summary(summary, console, title=f"cpd bench {label or ''}".strip())
     if out is not None:
@@ -130,10 +144,10 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
 def _bench(
     ctx: typer.Context,
     url: Optional[str] = typer.Option(None, "--url", help="server base URL, e.g. http://127.0.0.1:8000"),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Mooncake JSONL trace"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="trace: Mooncake JSONL, Claude Code folder/file, Azure CSV"),
     model: Optional[str] = typer.Option(None, "--model", help="model name (default: first of /v1/models)"),
-    tokens_per_hash_id: int = typer.Option(512, "--tokens-per-hash-id", min=1, max=512,
-                                           help="tokens per 512-token trace block (shrink for CPU runs)"),
+    tokens_per_hash_id: Optional[int] = typer.Option(None, "--tokens-per-block", "--tokens-per-hash-id", min=1,
+                                                     max=512, help="replayed tokens per trace block (shrink for CPU runs)"),
     time_scale: float = typer.Option(1.0, "--time-scale", help=">1 compresses time (more load)"),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1),
     start: int = typer.Option(0, "--start", min=0, help="first trace row to replay"),
@@ -158,6 +172,22 @@ def _bench(
     context_len: Optional[int] = typer.Option(None, "--context-len", min=0,
                                               help="cap prompt+output (default: server max_model_len; 0: off)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CPD_BENCH_API_KEY"),
+    users: Optional[int] = typer.Option(None, "--users", min=1,
+                                        help="Claude Code: closed loop, N users replaying sessions back to back"),
+    session_rate: Optional[float] = typer.Option(None, "--session-rate",
+                                                 help="Claude Code: open loop, Poisson session starts per second"),
+    shared_prefix_fraction: float = typer.Option(0.0, "--shared-prefix-fraction", min=0.0, max=1.0,
+                                                 help="map this fraction of the tool+system blocks to one shared prefix"),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
+                                              help="truncate prompts to whole blocks within this many trace tokens"),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", min=1, help="replay the first N sessions"),
+    max_idle_s: Optional[float] = typer.Option(None, "--max-idle-s", min=0.0,
+                                               help="cap every pause inside a session (trace seconds)"),
+    large_suffix_tokens: int = typer.Option(8192, "--large-suffix-tokens",
+                                            help="warm requests with more uncached trace tokens are warm_large"),
+    collapse_pairs: bool = typer.Option(False, "--collapse-pairs", help="send an s/n pair with equal hash_ids once"),
+    azure_prefix_tokens: int = typer.Option(0, "--azure-prefix-tokens",
+                                            help="Azure CSV (no prefix info): model a shared prefix of N tokens"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or table output"),
 ) -> None:
     """Replay a trace (``cpd bench --url U --trace F`` or ``cpd bench run ...``)."""
@@ -173,7 +203,10 @@ def _bench(
                        max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
                        slo_tpot_s=slo_tpot_s, out=out, plot=plot, label=label, tokenizer=tokenizer,
                        vocab_size=vocab_size, special_ids=special_ids, warm_threshold=warm_threshold,
-                       context_len=context_len, api_key=api_key, quiet=quiet)
+                       context_len=context_len, api_key=api_key, users=users, session_rate=session_rate,
+                       shared_prefix_fraction=shared_prefix_fraction, max_context=max_context,
+                       max_sessions=max_sessions, max_idle_s=max_idle_s, large_suffix_tokens=large_suffix_tokens,
+                       collapse_pairs=collapse_pairs, azure_prefix_tokens=azure_prefix_tokens, quiet=quiet)
     if result["summary"]["ok"] == 0 and result["summary"]["n"] > 0:
         raise typer.Exit(1)
 

@@ -1,5 +1,8 @@
 """Open-loop async replay of bench requests against an OpenAI-compatible server.
 
+A request whose ``after`` names other requests (closed-loop session replay) is sent ``gap_s``
+after all of them have finished; its recorded ``arrival_s`` is that moment.
+
 Each request is ``POST {url}/v1/completions`` with a token-id prompt::
 
     {"model": M, "prompt": [ids], "max_tokens": output_length, "ignore_eos": true,
@@ -92,6 +95,9 @@ class RequestRecord:
     arrival_s: float
     prompt_len: int
     max_tokens: int
+    kind: str = ""
+    session: str = ""
+    uncached_trace_tokens: int = 0
     send_s: float | None = None
     sched_lag_s: float | None = None
     ttft_s: float | None = None
@@ -277,22 +283,37 @@ async def replay(url: str, requests: Sequence[BenchRequest], *, model: str | Non
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
         records = [RequestRecord(id=q.id, line=q.line, trace_class=q.trace_class, reuse=q.reuse,
-                                 arrival_s=q.arrival_s, prompt_len=q.prompt_len, max_tokens=q.max_tokens)
+                                 arrival_s=q.arrival_s, prompt_len=q.prompt_len, max_tokens=q.max_tokens,
+                                 kind=getattr(q, "kind", ""), session=getattr(q, "session", ""),
+                                 uncached_trace_tokens=getattr(q, "uncached_trace_tokens", 0))
                    for q in requests]
+        finished = [asyncio.Event() for _ in requests]
         endpoint = f"{base}/v1/completions"
         t0 = time.perf_counter() + 0.01
         started_at = time.time() + 0.01
         last_end = [t0]
 
         async def one(i: int) -> None:
+            try:
+                await send(i)
+            finally:
+                finished[i].set()
+
+        async def send(i: int) -> None:
             req, rec = requests[i], records[i]
+            after = getattr(req, "after", ())
+            if after:  # closed loop: gap_s after every request this one waits for has finished
+                for d in after:
+                    await finished[d].wait()
+                rec.arrival_s = time.perf_counter() - t0 + req.gap_s
+                await asyncio.sleep(req.gap_s)
             body = request_body(req, model, extra_body)  # build the prompt before taking a slot
             if sem is not None:
                 await sem.acquire()
             token_times: list[float] = []
             t_send = time.perf_counter()
             rec.send_s = t_send - t0
-            rec.sched_lag_s = rec.send_s - req.arrival_s
+            rec.sched_lag_s = rec.send_s - rec.arrival_s
             try:
                 await asyncio.wait_for(_stream_one(client, endpoint, body, rec, t_send, token_times, headers),
                                        timeout_s)
@@ -315,6 +336,9 @@ async def replay(url: str, requests: Sequence[BenchRequest], *, model: str | Non
 
         tasks = []
         for i in order:
+            if getattr(requests[i], "after", ()):
+                tasks.append(asyncio.create_task(one(i)))  # waits for its predecessors itself
+                continue
             delay = t0 + requests[i].arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

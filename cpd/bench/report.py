@@ -24,6 +24,9 @@ import numpy as np
 from .client import RequestRecord
 
 GROUPS = ("all", "warm", "cold")
+#: Request kinds of session traces (``cpd.traces.replay``): cold, warm with a small / large
+#: uncached suffix (threshold ``large_suffix_tokens``, 8192 trace tokens by default), subagent.
+KIND_GROUPS = ("cold", "warm_small", "warm_large", "subagent")
 
 
 def stats(values: Iterable[float | None], pcts: Sequence[int] = (50, 90, 99)) -> dict[str, Any]:
@@ -98,13 +101,24 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
         "sched_lag_p99_s": stats((r.sched_lag_s for r in records), (99,))["p99"],
     }
     for g in GROUPS:
-        rs = [r for r in _group(records, g) if r.ok]
-        itl = stats((x for r in rs for x in r.itls_s), (50, 99))
-        out[g] = {
-            "n": len(rs), "ttft": stats(r.ttft_s for r in rs), "tpot": stats(r.tpot_s for r in rs),
-            "e2e": stats(r.e2e_s for r in rs), "itl": {"n": itl["n"], "p50": itl["p50"], "p99": itl["p99"]},
-        }
+        out[g] = _group_stats([r for r in _group(records, g) if r.ok])
+    by_kind = {}
+    for k in KIND_GROUPS:
+        rs = [r for r in records if r.kind == k]
+        if rs:
+            good_k = sum(1 for r in rs if meets_slo(r, slo_ttft_s, slo_tpot_s)) if has_slo else None
+            by_kind[k] = {**_group_stats([r for r in rs if r.ok]), "requests": len(rs),
+                          "errors": sum(1 for r in rs if not r.ok), "slo_met": good_k,
+                          "goodput": (good_k / dur if dur else None) if good_k is not None else None,
+                          "uncached_trace_tokens": sum(r.uncached_trace_tokens for r in rs)}
+    out["kinds"] = by_kind
     return out
+
+
+def _group_stats(rs: Sequence[RequestRecord]) -> dict[str, Any]:
+    itl = stats((x for r in rs for x in r.itls_s), (50, 99))
+    return {"n": len(rs), "ttft": stats(r.ttft_s for r in rs), "tpot": stats(r.tpot_s for r in rs),
+            "e2e": stats(r.e2e_s for r in rs), "itl": {"n": itl["n"], "p50": itl["p50"], "p99": itl["p99"]}}
 
 
 def write_results(path: str | Path, config: dict[str, Any], summary: dict[str, Any],
@@ -149,6 +163,13 @@ def _rows(s: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append((f"{m.upper()} ms {g} mean/p50/p90/p99",
                          " / ".join(_ms(st[k]) for k in ("mean", "p50", "p90", "p99"))))
     rows.append(("ITL ms p50/p99", f"{_ms(s['all']['itl']['p50'])} / {_ms(s['all']['itl']['p99'])}"))
+    for k, ks in (s.get("kinds") or {}).items():
+        for m in ("ttft", "tpot"):
+            st = ks[m]
+            rows.append((f"{m.upper()} ms {k} (n={ks['requests']}) p50/p90/p99",
+                         " / ".join(_ms(st[q]) for q in ("p50", "p90", "p99"))))
+        if ks.get("goodput") is not None:
+            rows.append((f"goodput req/s {k}", _num(ks["goodput"])))
     return rows
 
 
