@@ -19,3 +19,52 @@ def test_analyze_report_and_plots(tmp_path):
         assert s in rep
     assert (tmp_path / "o" / "reuse.png").stat().st_size > 1000
     assert (tmp_path / "o" / "lru_curve.png").exists()
+
+
+def _run(args):
+    app = typer.Typer()
+    app.command()(analyze)
+    return CliRunner().invoke(app, args)
+
+
+def test_analyze_claude_code_slice_hit_ratio_matches_independent_count(tmp_path):
+    import json as _json
+    import re
+
+    from tests.test_traces import conversation, independent_hit_ratio, write_cc
+    convs = [conversation("trace_0001"), conversation("trace_0002")]
+    d = write_cc(tmp_path / "cc", convs)
+    r = _run([str(d), "--out", str(tmp_path / "o"), "--no-simulate"])
+    assert r.exit_code == 0, r.output
+    rep = (tmp_path / "o" / "report.md").read_text()
+    hit = float(re.search(r"token hit ratio: \*\*([0-9.]+) %", rep).group(1))
+    assert hit == round(independent_hit_ratio(convs) * 100, 1)
+    for s in ("claude_code", "uncached tokens p50/p90/p99", "share of prefill work", "| subagent |",
+              "no supported verdict"):
+        assert s in rep
+    assert (tmp_path / "o" / "uncached_cdf.png").stat().st_size > 1000
+
+
+def test_analyze_azure_csv_states_no_prefix_info_and_bad_csv_is_clean(tmp_path):
+    p = tmp_path / "az.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:{i:02d}.5000000,{300 + 10 * i},7\n" for i in range(30)))
+    r = _run([str(p), "--out", str(tmp_path / "o"), "--no-simulate"])
+    assert r.exit_code == 0, r.output
+    assert "no prefix information" in (tmp_path / "o" / "report.md").read_text()
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.5,x,1\n")
+    r = _run([str(bad), "--out", str(tmp_path / "o2"), "--no-simulate"])
+    assert r.exit_code == 2 and "bad.csv:2: expected" in r.output and "Traceback" not in r.output
+
+
+def test_verdict_needs_bounded_simulated_points():
+    from cpd.analyze.cli import quick_sim_verdict
+    slo = {"ttft_p90_s": 1.0}
+    all_fail = {"saturation": {"2P1D": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3},
+                               "CPD-1D": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3}}, "slo": slo}
+    assert "no supported verdict" in quick_sim_verdict(all_fail, [0.3])[1]
+    ok = {"saturation": {"2P1D": {"qps_per_gpu": 0.8, "bounded": "interpolated"},
+                         "CPD-1D": {"qps_per_gpu": 1.1, "bounded": "interpolated"}}, "slo": slo}
+    figs, v = quick_sim_verdict(ok, [0.5, 1.0, 1.5])
+    assert "CPD pays" in v and "1.1" in v and "0.8" in v

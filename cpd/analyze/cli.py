@@ -30,7 +30,7 @@ def _pct(xs, q):
 
 
 def analyze(
-    trace: Path = typer.Argument(..., help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)"),
+    trace: Path = typer.Argument(..., help="trace: Mooncake JSONL, Claude Code folder or trace_*.json[.gz], Azure CSV"),
     out: Path = typer.Option(Path("analyze_out"), "--out", "-o", help="folder for report.md and PNGs"),
     model: str = typer.Option("Llama-3.1-8B", help="shipped model name or config.json path"),
     gpu: str = typer.Option("B200", help="B200 | H200 | H100"),
@@ -41,25 +41,43 @@ def analyze(
     total_gpus: int = typer.Option(16, help="GPUs to split between pre-prefill, prefill and decode"),
     simulate: bool = typer.Option(True, help="run the quick 2P1D vs CPD simulation"),
     sim_steady_s: float = typer.Option(120.0, help="steady window of each quick-simulation point (s)"),
+    large_suffix_tokens: int = typer.Option(8192, help="warm requests with more uncached tokens are warm_large"),
+    session_rate: float = typer.Option(0.05, help="Claude Code: Poisson session starts per second for reuse distance"),
 ) -> None:
     """Analyse a trace's prefix reuse and say whether cache-aware P/D (CPD) pays on it."""
     from cpd.analyze.stats import capacity_for, reuse_profile
     from cpd.policy.cost_model import RooflineCostModel
-    from cpd.sim.workload import load_mooncake
+    from cpd.sim.workload import schedule_to_sim
+    from cpd.traces import ReplayOptions, Vocab, build_schedule, read_trace
 
-    reqs = load_mooncake(trace)
-    if not reqs:
+    try:
+        tr = read_trace(trace)
+    except ValueError as e:  # TraceFormatError: file, line, what was expected — never a traceback
+        typer.echo(f"cpd analyze: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = ReplayOptions(large_suffix_tokens=large_suffix_tokens, cold_threshold=cold_threshold,
+                         session_rate=None if tr.timed else session_rate)
+    sched = build_schedule(tr, opts, Vocab(2))
+    if not sched:
         raise typer.BadParameter("empty trace")
+    B = tr.block_tokens
+    reqs = schedule_to_sim(sched, B, B)
     out.mkdir(parents=True, exist_ok=True)
-    prof = reuse_profile(reqs)
+    prof = reuse_profile(reqs, block_tokens=B)
     cost = RooflineCostModel.build(model, gpu, tp=tp, kv_dtype_bytes=kv_dtype_bytes)
     dcost = RooflineCostModel.build(model, gpu, tp=1, kv_dtype_bytes=kv_dtype_bytes)
     dur = max(1e-9, reqs[-1].arrival_s - reqs[0].arrival_s)
-    L: list[str] = [f"# cpd analyze: {trace.name}", ""]
+    L: list[str] = [f"# cpd analyze: {trace.name}", "",
+                    f"Format {tr.format} ({tr.files} file(s), {len(tr.sessions)} session(s), {B}-token blocks); "
+                    f"arrivals: {opts.arrival_model(tr)}."]
+    if not tr.has_prefix_info:
+        L += ["", "**This trace has no prefix information** (arrivals and lengths only): every request counts as "
+              "new content, so the hit ratio below is 0 by construction. Model a shared prefix explicitly with "
+              "`cpd bench/simulate --azure-prefix-tokens N` if you want one.", ""]
     L.append(f"{len(reqs)} requests over {dur:.0f} s ({len(reqs) / dur:.2f} req/s); "
              f"prompt p50/p90 {_pct([r.prompt_tokens for r in reqs], .5):.0f}/{_pct([r.prompt_tokens for r in reqs], .9):.0f} "
              f"tokens, output mean {sum(r.output_tokens for r in reqs) / len(reqs):.0f}.")
-    L += ["", "## Prefix reuse (infinite cache, 512-token blocks)", "",
+    L += ["", f"## Prefix reuse (infinite cache, {B}-token blocks)", "",
           f"* token hit ratio: **{prof.token_hit_ratio * 100:.1f} %**",
           f"* cached prefix tokens p50/p90/p99: {_pct(prof.cached_tokens, .5):.0f} / {_pct(prof.cached_tokens, .9):.0f} / "
           f"{_pct(prof.cached_tokens, .99):.0f}",
@@ -70,8 +88,9 @@ def analyze(
     if prof.reuse_distance_s:
         rd = prof.reuse_distance_s
         L.append(f"* reuse distance (hit >= 2 blocks) p50/p90/p99: {_pct(rd, .5):.0f} / {_pct(rd, .9):.0f} / {_pct(rd, .99):.0f} s")
-    cap, curve = capacity_for(reqs, 0.9)
-    bb = 512 * cost.kv_bytes_per_token
+    L += _uncached_section(sched, large_suffix_tokens, cost)
+    cap, curve = capacity_for(reqs, 0.9, block_tokens=B)
+    bb = B * cost.kv_bytes_per_token
     L.append(f"* LRU capacity for 90 % of the infinite hit ratio: {cap} blocks = {cap * bb / 1e12:.2f} TB of KV "
              f"({model}, {kv_dtype_bytes:g} B/elem)")
     L.append("* LRU curve: " + ", ".join(f"{c} blk → {h * 100:.1f} %" for c, h in curve))
@@ -120,44 +139,112 @@ def analyze(
     nodes = {k: max(1, round(v / 4)) for k, v in split.items()}
     L.append("* suggested split of %d GPUs by modeled busy time: " % total_gpus
              + ", ".join(f"{k} {v:.1f} GPUs (≈{nodes[k]} node(s) of 4)" for k, v in split.items()))
-    gain_txt = None
+    verdict = "* **no supported verdict**: no simulation was run (--no-simulate); the queueing estimate above is not one."
     if simulate:
         cap = 1.0 / (es * 12)  # QPS/GPU at which the shared 2P prefill pool would be 100 % busy
         pts = sorted({round(cap * f, 2) for f in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)})
-        gain_txt = _quick_sim(trace, sim_steady_s, model, gpu, kv_dtype_bytes, pts, nodes)
-        L.append(f"* quick simulation (trace time-scaled, {sim_steady_s:.0f} s steady per point): {gain_txt}")
-    L.append("* **CPD pays** on this traffic." if (block and prof.token_hit_ratio > 0.2) else
-             "* CPD is unlikely to pay much here (little blocking or little reuse).")
-    _plots(prof, curve, out)
-    L += ["", "![reuse](reuse.png)", "", "![lru](lru_curve.png)", ""]
+        gain_txt, verdict = _quick_sim(trace, tr, sim_steady_s, model, gpu, kv_dtype_bytes, pts, nodes, session_rate)
+        L.append(f"* quick simulation ({sim_steady_s:.0f} s steady per point, arrivals as `cpd simulate --trace`): {gain_txt}")
+    L.append(verdict)
+    _plots(prof, curve, out, B)
+    _kind_plots(sched, out)
+    L += ["", "![reuse](reuse.png)", "", "![lru](lru_curve.png)", "", "![uncached](uncached_cdf.png)", ""]
     text = "\n".join(L) + "\n"
     (out / "report.md").write_text(text)
     typer.echo(text)
 
 
-def _quick_sim(trace: Path, steady_s: float, model: str, gpu: str, kvb: float, pts: list[float],
-               nodes: dict[str, int]) -> str:
+def _quick_sim(path: Path, tr, steady_s: float, model: str, gpu: str, kvb: float, pts: list[float],
+               nodes: dict[str, int], session_rate: float) -> tuple[str, str]:
+    """Quick 2P1D vs CPD sweep on the trace; returns (figures, verdict resting on them)."""
     from cpd.sim.experiment import load_experiment
     from cpd.sim.sweep import run_sweep
     exp = copy.deepcopy(load_experiment("reference_b200"))
     exp.update(model=model, gpu=gpu, kv_dtype_bytes=kvb, steady_s=steady_s, ramp_s=10, drain_s=30)
-    exp["workload"] = {"kind": "mooncake", "path": str(trace), "spread_ticks_s": 3.0}
+    exp["workload"] = {"kind": "trace", "path": str(path), "spread_ticks": tr.format == "mooncake",
+                       "max_idle_s": None if tr.timed else 60.0}
     exp["configs"] = {k: exp["configs"][k] for k in ("2P1D", "CPD-1D")}
     exp["configs"]["CPD-split"] = {"topology": "cpd", "pre_prefill": nodes["pre-prefill"],
                                    "prefill": nodes["prefill"], "decode": nodes["decode"]}
     exp["qps_per_gpu"] = pts
     r = run_sweep(exp, progress=False)
+    return quick_sim_verdict(r, pts)
+
+
+def quick_sim_verdict(r: dict, pts: list[float]) -> tuple[str, str]:
+    """Figures of a quick sweep and the verdict they support: "CPD pays" only when a CPD
+    configuration's saturation load is bounded and above plain P/D's; "no supported verdict"
+    when a saturation is not bounded by the simulated points (every point fails, or none does)."""
     s = r["saturation"]
+    slo = r["slo"]["ttft_p90_s"]
 
-    def g(c):
-        v = r["gain_vs"]["2P1D"][c]
-        return "n/a" if v is None else f"{v * 100:+.0f} %"
-    return (f"loads {pts} QPS/GPU; saturation (TTFT p90 <= {r['slo']['ttft_p90_s']} s) 2P1D "
-            f"{s['2P1D']['qps_per_gpu']}, CPD-1D (1+1+1 nodes) {s['CPD-1D']['qps_per_gpu']} ({g('CPD-1D')}), "
-            f"CPD with the suggested split {s['CPD-split']['qps_per_gpu']} QPS/GPU ({g('CPD-split')} vs 2P1D)")
+    def fig(c):
+        x = s[c]
+        if x["qps_per_gpu"] is None:
+            return f"{c} fails the SLO at every point (first {x.get('first_fail')})"
+        return f"{c} {x['qps_per_gpu']} QPS/GPU ({x['bounded']})"
+    figs = f"loads {pts} QPS/GPU; saturation at TTFT p90 <= {slo} s: " + ", ".join(fig(c) for c in s)
+    base = s["2P1D"]
+    bounded = lambda x: x["qps_per_gpu"] is not None and x["bounded"] == "interpolated"
+    cpd = [c for c in s if c != "2P1D" and bounded(s[c])]
+    if not bounded(base) or not cpd:
+        return figs, ("* **no supported verdict**: the simulated points do not bound the saturation of 2P1D and a "
+                      "CPD configuration (" + figs + "); rerun with other loads (`cpd simulate --trace`).")
+    best = max(cpd, key=lambda c: s[c]["qps_per_gpu"])
+    g = s[best]["qps_per_gpu"] / base["qps_per_gpu"] - 1
+    if g > 0.05:
+        return figs, f"* **CPD pays**: {best} sustains {s[best]['qps_per_gpu']} vs 2P1D {base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %)."
+    return figs, (f"* **CPD does not pay here**: best CPD {best} {s[best]['qps_per_gpu']} vs 2P1D "
+                  f"{base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %).")
 
 
-def _plots(prof, curve, out: Path) -> None:
+def _uncached_section(sched, large: int, cost) -> list[str]:
+    """Uncached tokens per request and the share of prefill work by request kind."""
+    from cpd.analyze.stats import _pct
+    from cpd.traces import KINDS
+    unc = [q.uncached_trace_tokens for q in sched]
+    tot = sum(unc) or 1
+    work = {k: 0.0 for k in KINDS}
+    tok = {k: 0 for k in KINDS}
+    cnt = {k: 0 for k in KINDS}
+    for q in sched:
+        work[q.kind] += cost.prefill_time_s(q.uncached_trace_tokens, q.cached_trace_tokens)
+        tok[q.kind] += q.uncached_trace_tokens
+        cnt[q.kind] += 1
+    wt = sum(work.values()) or 1.0
+    big = [u for u in unc if u > large]
+    L = ["", "## Uncached tokens per request (infinite cache)", "",
+         f"* uncached tokens p50/p90/p99/max: {_pct(unc, .5):.0f} / {_pct(unc, .9):.0f} / {_pct(unc, .99):.0f} / {max(unc)}",
+         f"* requests with more than {large} uncached tokens: {len(big) / len(unc) * 100:.1f} %, carrying "
+         f"{sum(big) / tot * 100:.1f} % of all uncached tokens",
+         "", f"Prefill work by request kind (warm_large: warm with > {large} uncached tokens; work = modeled "
+         "prefill time of the uncached part on its cached prefix):", "",
+         "| kind | requests | share of requests | share of uncached tokens | share of prefill work |", "|---|---:|---:|---:|---:|"]
+    for k in KINDS:
+        L.append(f"| {k} | {cnt[k]} | {cnt[k] / len(sched) * 100:.1f} % | {tok[k] / tot * 100:.1f} % | {work[k] / wt * 100:.1f} % |")
+    return L
+
+
+def _kind_plots(sched, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from cpd.traces import KINDS
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    u = sorted(max(1, q.uncached_trace_tokens) for q in sched)
+    ax[0].plot(u, [i / len(u) for i in range(len(u))])
+    ax[0].set_xscale("log")
+    ax[0].set_xlabel("uncached tokens per request")
+    ax[0].set_ylabel("CDF")
+    tok = [sum(q.uncached_trace_tokens for q in sched if q.kind == k) for k in KINDS]
+    ax[1].bar(KINDS, [t / max(1, sum(tok)) * 100 for t in tok])
+    ax[1].set_ylabel("% of uncached tokens")
+    fig.tight_layout()
+    fig.savefig(out / "uncached_cdf.png", dpi=100)
+    plt.close(fig)
+
+
+def _plots(prof, curve, out: Path, block_tokens: int = 512) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -181,7 +268,7 @@ def _plots(prof, curve, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.8))
     ax.plot([c for c, _ in curve], [h * 100 for _, h in curve], marker="o")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("LRU capacity (512-token blocks)")
+    ax.set_xlabel(f"LRU capacity ({block_tokens}-token blocks)")
     ax.set_ylabel("token hit ratio (%)")
     fig.tight_layout()
     fig.savefig(out / "lru_curve.png", dpi=100)
