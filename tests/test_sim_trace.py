@@ -11,3 +11,29 @@ def test_conversation_trace_infinite_cache_hit_ratio():
     prof = reuse_profile(reqs)
     assert round(prof.token_hit_ratio * 100, 1) == 37.4
     assert lru_hit_ratio(reqs, None) == pytest.approx(reuse_profile(reqs, count_partial=False).token_hit_ratio)
+
+
+def test_simulate_cli_takes_a_claude_code_trace(tmp_path):
+    """`cpd simulate --trace DIR` with the reference defaults, no experiment JSON written by hand."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from cpd.sim.cli import simulate
+    from tests.test_traces import conversation, write_cc
+    d = write_cc(tmp_path / "cc", [conversation(f"trace_00{i:02d}") for i in range(1, 30)])
+    app = typer.Typer()
+    app.command()(simulate)
+    args = ["--trace", str(d), "--out", str(tmp_path / "o"), "--steady-s", "60", "--config", "2P1D",
+            "--config", "CPD-1D", "--qps", "0.2", "--no-progress", "--jobs", "1"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "B200" in r.output and "Llama-3.1-8B" in r.output and "SLO" in r.output
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert {p["config"] for p in res["points"]} == {"2P1D", "CPD-1D"}
+    assert all(p["requests"] > 0 and p["completion_ratio"] == 1.0 and p["ttft_s"]["p90"] > 0 for p in res["points"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("nope\n")
+    r = CliRunner().invoke(app, ["--trace", str(bad), "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 2 and "bad.jsonl:1: expected" in r.output

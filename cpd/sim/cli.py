@@ -13,7 +13,13 @@ import typer
 
 
 def simulate(
-    experiment: Path = typer.Argument(..., help="experiment JSON, or a shipped name such as reference_b200"),
+    experiment: str = typer.Argument("reference_b200", help="experiment JSON, or a shipped name such as reference_b200"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="replay this trace (any format) as the workload"),
+    users: Optional[int] = typer.Option(None, "--users", min=1, help="Claude Code: closed loop with N users"),
+    shared_prefix_fraction: float = typer.Option(0.0, "--shared-prefix-fraction", min=0.0, max=1.0),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=1, help="truncate to whole blocks (trace tokens)"),
+    max_idle_s: Optional[float] = typer.Option(None, "--max-idle-s", min=0.0, help="cap pauses inside a session"),
+    spread_ticks: bool = typer.Option(False, "--spread-ticks/--bursty-ticks"),
     out: Path = typer.Option(Path("sim_out"), "--out", "-o", help="output folder"),
     config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="only these configurations"),
     qps: Optional[List[float]] = typer.Option(None, "--qps", help="only these QPS/GPU points"),
@@ -28,6 +34,20 @@ def simulate(
     from cpd.sim.sweep import run_study, run_sweep
 
     exp = load_experiment(experiment)
+    if trace is not None:
+        from cpd.sim.experiment import _read_trace_cached
+        try:
+            _read_trace_cached(str(trace))
+        except ValueError as e:  # TraceFormatError: file, line, what was expected
+            typer.echo(f"cpd simulate: {e}", err=True)
+            raise typer.Exit(2) from None
+        exp["workload"] = {"kind": "trace", "path": str(trace), "users": users, "spread_ticks": spread_ticks,
+                           "shared_prefix_fraction": shared_prefix_fraction, "max_context": max_context,
+                           "max_idle_s": max_idle_s}
+        exp["name"] = f"{exp.get('name', 'sweep')} on {trace.name}"
+        typer.echo(f"trace {trace} on {exp.get('name')}: {exp.get('model')} on {exp.get('gpu')}, "
+                   f"TTFT p90 SLO {exp.get('slo', {}).get('ttft_p90_s')} s; load points {exp['qps_per_gpu']} QPS/GPU "
+                   "(timed traces: time-scaled; sessions: Poisson starts at QPS / requests per session)")
     if steady_s is not None:
         exp["steady_s"] = steady_s
     out.mkdir(parents=True, exist_ok=True)
