@@ -713,3 +713,150 @@ def test_disconnect_detected_behind_http_middleware(tok_dir, tok):
                     with pytest.raises(httpx.ReadTimeout):
                         h.post(C, json={"model": MODEL, "prompt": "x", "max_tokens": 200})
             assert _wait(be.closed[be.requests[-1].request_id], 5), stream
+
+
+# ----------------------------------------------------------------------------- API edges (issue 7 §9)
+
+def _raw_post(http, path, raw: bytes, **headers):
+    return http.post(path, content=raw, headers={"content-type": "application/json", **headers})
+
+
+_SURROGATES = ["\\ud800", "\\udfff", "a\\udc00b", "\\udc00\\ud800", "ok\\ud83d"]  # JSON escapes
+# (path, body template with {s} where the string goes, expected param)
+_STRING_FIELDS = [
+    (C, '{"prompt": "{s}"}', "prompt"),
+    (C, '{"prompt": ["{s}"]}', "prompt[0]"),
+    (C, '{"prompt": "x", "stop": "{s}"}', "stop"),
+    (C, '{"prompt": "x", "stop": ["a", "{s}"]}', "stop[1]"),
+    (C, '{"prompt": "x", "cache_salt": "{s}"}', "cache_salt"),
+    (C, '{"prompt": "x", "model": "{s}"}', "model"),
+    (C, '{"prompt": "x", "user": "{s}"}', "user"),
+    (C, '{"prompt": "x", "suffix": "{s}"}', "suffix"),
+    (C, '{"prompt": "x", "some_extension": {"k": ["{s}"]}}', "some_extension.k[0]"),
+    (C, '{"prompt": "x", "{s}": 1}', None),
+    (CH, '{"messages": [{"role": "user", "content": "{s}"}]}', "messages[0].content"),
+    (CH, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "{s}"}]}]}',
+     "messages[0].content[0].text"),
+    (CH, '{"messages": [{"role": "{s}", "content": "x"}]}', "messages[0].role"),
+    (CH, '{"messages": [{"role": "user", "content": "x", "name": "{s}"}]}', "messages[0].name"),
+    (CH, '{"messages": [{"role": "user", "content": "x"}], "stop": "{s}"}', "stop"),
+    (CH, '{"messages": [{"role": "user", "content": "x"}], "model": "{s}"}', "model"),
+    (CH, '{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "{s}"}}',
+     "response_format.type"),
+]
+
+
+@pytest.mark.parametrize("path,template,param", _STRING_FIELDS,
+                         ids=[f"{i}-{p or 'key'}" for i, (_, _, p) in enumerate(_STRING_FIELDS)])
+def test_lone_surrogates_in_any_string_field_are_400(http, be, path, template, param):
+    n = len(be.requests)
+    for s in _SURROGATES:
+        r = _raw_post(http, path, template.replace("{s}", s).encode())
+        assert r.status_code == 400, (s, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "invalid_unicode", err
+        assert err["param"] == param, err
+    assert len(be.requests) == n
+
+
+def test_valid_surrogate_pairs_and_non_ascii_still_served(http, be):
+    body = '{"prompt": "emoji \\ud83d\\ude00 é 你好", "stop": ["\\ud83c\\udf89"], "cache_salt": "ü"}'
+    r = _raw_post(http, C, body.encode())
+    assert r.status_code == 200, r.text
+    assert be.requests[-1].cache_salt == "ü"
+
+
+def _nest(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [33, 200, 5000, 200000])
+@pytest.mark.parametrize("field", ["prompt", "stop", "user", "logit_bias", "messages", "extension"])
+def test_deeply_nested_json_is_400(http, be, depth, field):
+    path = CH if field == "messages" else C
+    base = '"messages": [{"role": "user", "content": "x"}], ' if path == CH and field != "messages" else \
+        ('"prompt": "x", ' if path == C and field != "prompt" else "")
+    n = len(be.requests)
+    r = _raw_post(http, path, ("{" + base + f'"{field}": ' + _nest(depth) + "}").encode())
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "json_nesting_too_deep", err
+    assert len(be.requests) == n
+
+
+def test_moderate_nesting_in_an_ignored_field_is_fine(http, be):
+    r = _raw_post(http, C, ('{"prompt": "x", "metadata": ' + _nest(20, '{"a": "b"}') + "}").encode())
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def small_body_server(tok_dir, tok, backend):
+    app = create_app(backend, tok_dir, MODEL, MAX_MODEL_LEN, tokenizer=tok, max_request_body_bytes=4096)
+    with _Server(app) as s:
+        yield s
+
+
+def test_request_body_size_limit_413(small_body_server, be):
+    big = json.dumps({"model": MODEL, "prompt": "word " * 2000}).encode()
+    assert len(big) > 4096
+    n = len(be.requests)
+    with httpx.Client(base_url=small_body_server.url, timeout=20) as h:
+        r = _raw_post(h, C, big)                               # declared Content-Length
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "request_too_large"
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+        def chunks():                                          # chunked: no Content-Length at all
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+        r = h.post(C, content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def endless():                                         # never ends: rejected without reading it all
+            yield b'{"prompt": "'
+            while True:
+                yield b"a" * 1024
+        t0 = time.monotonic()
+        try:
+            r = h.post(C, content=endless(), headers={"content-type": "application/json"})
+            assert r.status_code == 413
+        except httpx.TransportError:  # the server may close the connection before we stop sending
+            pass
+        assert time.monotonic() - t0 < 10
+        assert len(be.requests) == n
+        ok = h.post(C, json={"model": MODEL, "prompt": "word " * 100, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text                  # under the limit: served
+
+
+def test_openapi_document_is_generated_from_the_request_models(http):
+    from cpd.router.openai_api import ChatCompletionRequest, CompletionRequest
+
+    doc = http.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    schemas = doc["components"]["schemas"]
+    for path, model in ((C, CompletionRequest), (CH, ChatCompletionRequest)):
+        op = doc["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model.__name__}"
+        props = schemas[model.__name__]["properties"]
+        assert set(props) == set(model.model_fields)           # every field the model validates
+        assert schemas[model.__name__]["required"] == [f for f, i in model.model_fields.items() if i.is_required()]
+        assert "ErrorResponse" in op["responses"]["413"]["content"]["application/json"]["schema"]["$ref"]
+    temp = [s for s in schemas["CompletionRequest"]["properties"]["temperature"]["anyOf"] if s.get("type") == "number"]
+    assert temp == [{"type": "number", "minimum": 0.0, "maximum": 2.0}]
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    assert schemas["CompletionRequest"]["required"] == ["prompt"]
+    roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
+    assert roles == ["system", "developer", "user", "assistant"]
+
+
+@pytest.mark.parametrize("raw,param", [(b'{"prompt": "x", "temperature": NaN}', "temperature"),
+                                       (b'{"prompt": "x", "top_p": Infinity}', "top_p"),
+                                       (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+                                       (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+                                       (b'{"prompt": [1, 99999999999999999999999999]}', "prompt"),
+                                       (b'{"prompt": "x", "seed": 99999999999999999999999}', "seed")])
+def test_non_finite_and_huge_numbers_are_400(http, be, raw, param):
+    r = _raw_post(http, C, raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

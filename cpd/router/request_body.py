@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
 
 from cpd.router.errors import INVALID_REQUEST, APIError, invalid
 
@@ -38,9 +39,18 @@ _PARSE_IN_THREAD_BYTES = 1 << 20  # parse larger bodies off the event loop
 
 
 class BodyTooLarge(APIError):
+    """413. The response closes the connection (``Connection: close``): the rest of the body is
+    never read, so the connection cannot carry another request, and a client that keeps sending
+    is cut off rather than drained."""
+
     def __init__(self, max_bytes: int):
         super().__init__(413, f"request body is larger than the limit of {max_bytes} bytes",
                          INVALID_REQUEST, None, "request_too_large")
+
+    def response(self) -> JSONResponse:
+        r = super().response()
+        r.headers["Connection"] = "close"
+        return r
 
 
 class ClientGoneWhileReading(Exception):
