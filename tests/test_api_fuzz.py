@@ -62,6 +62,7 @@ def test_schema_fuzz_no_server_errors(dep):
             except Unsatisfiable:  # nothing to make invalid (a GET without parameters)
                 assert mode == GenerationMode.NEGATIVE, op.path
     elapsed = time.monotonic() - t0
+    print(f"fuzz: {len(ops)} operations, HTTP statuses {sorted(statuses.items())}, {elapsed:.1f} s")
     assert not problems, "\n".join(problems[:20])
     assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if 400 <= k < 500) > 0, statuses
     assert elapsed < FUZZ_BUDGET_S * 2, f"fuzzing took {elapsed:.0f} s"

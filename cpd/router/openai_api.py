@@ -36,7 +36,10 @@ Errors (body always ``{"error": {"message", "type", "param", "code"}}``, see
 ==========================================================  ======  =============================
 condition                                                   status  type / code
 ==========================================================  ======  =============================
+body over ``max_request_body_bytes`` (default 16 MiB)       413     invalid_request_error / request_too_large
 body is not JSON / not a JSON object                        400     invalid_request_error
+JSON nested deeper than 32 levels                           400     invalid_request_error / json_nesting_too_deep
+a lone UTF-16 surrogate in any string or key                400     invalid_request_error / invalid_unicode
 field missing or of the wrong type (``param`` = field)      400     invalid_request_error
 ``model`` not served                                        404     invalid_request_error / model_not_found
 empty prompt / no messages / batched prompts                400     invalid_request_error
@@ -50,7 +53,10 @@ unknown route / method                                      404/405 not_found_er
 anything unexpected                                         500     server_error
 ==========================================================  ======  =============================
 
-FastAPI's 422 is never used: request-model validation errors map to 400.
+FastAPI's 422 is never used: request-model validation errors map to 400. The request models
+(:class:`CompletionRequest`, :class:`ChatCompletionRequest`) validate every body and generate
+``GET /openapi.json``. ``max_model_len`` is the router's limit; workers with a smaller context
+are refused (:mod:`cpd.router.compat`), so a request within it fits every worker used.
 """
 from __future__ import annotations
 
