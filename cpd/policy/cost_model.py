@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from cpd.sim.hardware import GPU, get_gpu
-from cpd.sim.model_shapes import ModelShape, load_config
+from cpd.costmodel.hardware import GPU, get_gpu
+from cpd.costmodel.model_shapes import ModelShape, load_config
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class RooflineCostModel:
     """Roofline costs for one instance of ``model`` on ``tp`` GPUs of type ``gpu``.
 
     Attributes:
-        model: shapes (see :func:`cpd.sim.model_shapes.load_config`).
-        gpu: hardware entry (see :mod:`cpd.sim.hardware`).
+        model: shapes (see :func:`cpd.costmodel.model_shapes.load_config`).
+        gpu: hardware entry (see :mod:`cpd.costmodel.hardware`).
         tp: tensor-parallel degree (GPUs per instance).
         weight_bytes_per_param: 2 for BF16 weights, 1 for FP8.
         kv_dtype_bytes: bytes per KV element (2 = BF16, 1 = FP8).

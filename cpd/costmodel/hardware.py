@@ -1,4 +1,4 @@
-"""Hardware catalog for the simulator's roofline cost model.
+"""Hardware catalog for the roofline cost model (used by the routing policy and the simulator).
 
 All figures are **per GPU**, dense (no structured sparsity), in SI units
 (FLOP/s, bytes, bytes/s). Each entry names the public source of its numbers.

@@ -1,6 +1,6 @@
 """Model shapes read from Hugging Face ``config.json`` files.
 
-Shipped configs (``cpd/sim/data/models/``): Llama-3.1-8B, Llama-3.1-70B, Qwen3-32B,
+Shipped configs (``cpd/costmodel/data/models/``): Llama-3.1-8B, Llama-3.1-70B, Qwen3-32B,
 with the architecture fields of the public model cards' ``config.json``
 (meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-70B, Qwen/Qwen3-32B on Hugging Face).
 Dense decoder-only transformers with grouped-query attention and a gated MLP.
