@@ -18,7 +18,7 @@ def test_match_per_tier_and_worker():
     idx.apply_batch("p0", 0, KVEventBatch(ts=0, events=[_stored([1, 2, 3], MEDIUM_L1), _stored([1, 2], MEDIUM_L2)]))
     idx.apply_batch("pp0", 0, KVEventBatch(ts=0, events=[_stored([1, 2, 3, 4], MEDIUM_L3)]))
     m = idx.match([1, 2, 3, 4, 5])
-    assert m.l1 == {"p0": 3} and m.l2 == {"p0": 2} and m.l3 == 4
+    assert m.l1 == {"p0": 3} and m.l2 == {} and m.l3 == 4  # L2 holds nothing past the L1 run
     assert idx.match([9, 1]).l3 == 0  # only leading runs count
 
     idx.apply_batch("p0", 1, KVEventBatch(ts=0, events=[BlockRemoved(block_hashes=[2], medium=MEDIUM_L1)]))

@@ -76,17 +76,23 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Leading blocks of the request held per tier (visible blocks only).
+    """Blocks of the request held per tier (visible blocks only), matched in the engine's
+    load order: a worker's L1 run from block 0, then its L2 run continuing from there, then
+    the L3 run continuing from there.
 
     Attributes:
         l1: worker_id → leading blocks in that worker's L1.
-        l2: worker_id → leading blocks in that worker's L2.
-        l3: leading blocks visible in the shared L3 store.
+        l2: worker_id → end of the L2 run that continues the worker's L1 run (blocks
+            ``[l1, l2)`` are in its L2; an L2 run from block 0 is the case ``l1 == 0``).
+        l3: leading blocks visible in the shared L3 store (for workers with no local run).
+        l3_after: worker_id → end of the L3 run that continues that worker's L1/L2 run
+            (absent: no L3 blocks after it, or ``l3`` applies).
     """
 
     l1: Mapping[str, int] = field(default_factory=dict)
     l2: Mapping[str, int] = field(default_factory=dict)
     l3: int = 0
+    l3_after: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
     cap = max(0, (num_prompt_tokens - 1) // bs)
     a = min(match.l1.get(worker_id, 0), cap)
     b = min(match.l2.get(worker_id, 0), cap)
-    c = min(match.l3, cap)
+    c = min(max(match.l3, match.l3_after.get(worker_id, 0)), cap)
     reasons: list[str] = []
     segments = [("L1", 0, a), ("L2", a, max(a, b)), ("L3", max(a, b), max(a, b, c))]
     loaded = {"L1": 0, "L2": 0, "L3": 0}

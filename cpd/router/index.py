@@ -1,20 +1,25 @@
 """The router's global prefix index, fed by KV events (DESIGN §3, §4).
 
 For every block hash it records which workers hold it in L1 (medium ``GPU``) or L2
-(medium ``CPU``). The shared L3 store (medium ``L3``) is kept at the store's own
-granularity, chunks, by :class:`cpd.router.l3_view.L3View` (see there for how it converges:
-events, worker observations, re-announcements, store snapshots).
+(medium ``CPU``), as a bitmask of workers per tier (one dict lookup per block and tier
+answers for every worker at once). The shared L3 store (medium ``L3``) is kept at the
+store's own granularity, chunks, by :class:`cpd.router.l3_view.L3View` (see there for how
+it converges: events, worker observations, re-announcements, store snapshots).
 Only blocks announced by ``BlockStored`` count; ``BlockRemoved`` and
 ``AllBlocksCleared`` retract them. Each publisher's batches carry a sequence number;
 :meth:`PrefixIndex.apply_batch` reports a gap so the caller can resynchronise the
 publisher from a snapshot (:meth:`PrefixIndex.replace_worker`).
+
+Matching follows the engine's load order exactly (``cpd.engine.engine``): a worker's
+leading run in L1, then the run continuing in its L2 from where L1 stopped, then the run
+continuing in L3 from where L2 stopped. So a worker with the head in L1 and the tail in L2
+is credited with both, and so are L2 + L3 and L1 + L3.
 
 Thread-safety: all public methods take one lock; ``match`` is O(prefix length).
 """
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from typing import Iterable, Sequence
 
 from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, AllBlocksCleared, BlockRemoved, BlockStored,
@@ -23,12 +28,54 @@ from cpd.policy.routing import PrefixMatch
 from cpd.router.l3_view import ChunkKey, L3View
 
 
+class _TierMasks:
+    """block hash → bitmask of the workers holding it in one tier, plus each worker's set."""
+
+    def __init__(self) -> None:
+        self.masks: dict[int, int] = {}
+        self.held: dict[int, set[int]] = {}  # worker bit -> hashes
+
+    def add(self, bit: int, hashes: Iterable[int]) -> None:
+        held = self.held.setdefault(bit, set())
+        masks = self.masks
+        for h in hashes:
+            if h not in held:
+                held.add(h)
+                masks[h] = masks.get(h, 0) | bit
+
+    def remove(self, bit: int, hashes: Iterable[int]) -> None:
+        held = self.held.get(bit)
+        if not held:
+            return
+        for h in hashes:
+            if h in held:
+                held.discard(h)
+                self._clear(h, bit)
+
+    def clear_worker(self, bit: int) -> None:
+        for h in self.held.pop(bit, ()):
+            self._clear(h, bit)
+
+    def _clear(self, h: int, bit: int) -> None:
+        m = self.masks.get(h, 0) & ~bit
+        if m:
+            self.masks[h] = m
+        else:
+            self.masks.pop(h, None)
+
+    def size(self) -> int:
+        return sum(len(s) for s in self.held.values())
+
+
 class PrefixIndex:
     """block hash → holders per tier. L1/L2 are per worker; L3 is global."""
 
     def __init__(self, l3_chunk_blocks: int | None = None) -> None:
         self._lock = threading.Lock()
-        self._local: dict[str, dict[str, set[int]]] = defaultdict(lambda: {MEDIUM_L1: set(), MEDIUM_L2: set()})
+        self._bits: dict[str, int] = {}  # worker id -> its bit
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+        self._tiers = {MEDIUM_L1: _TierMasks(), MEDIUM_L2: _TierMasks()}
         self._l3 = L3View(l3_chunk_blocks)
         self._last_seq: dict[str, int] = {}
         self.num_gaps = 0
@@ -56,23 +103,37 @@ class PrefixIndex:
             if ev.medium == MEDIUM_L3:
                 self._l3.stored(ev.block_hashes)
             else:
-                self._holder(worker_id, ev.medium).update(ev.block_hashes)
+                self._tier(ev.medium).add(self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, BlockRemoved):
             if ev.medium == MEDIUM_L3:
                 self._l3.removed(ev.block_hashes)
             else:
-                self._holder(worker_id, ev.medium).difference_update(ev.block_hashes)
+                self._tier(ev.medium).remove(self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
-            self._local[worker_id][MEDIUM_L1].clear()
-            self._local[worker_id][MEDIUM_L2].clear()
+            bit = self._bit(worker_id)
+            for t in self._tiers.values():
+                t.clear_worker(bit)
 
-    def _holder(self, worker_id: str, medium: str | None) -> set[int]:
-        return self._local[worker_id][medium if medium in (MEDIUM_L1, MEDIUM_L2) else MEDIUM_L1]
+    def _tier(self, medium: str | None) -> _TierMasks:
+        return self._tiers[medium if medium in (MEDIUM_L1, MEDIUM_L2) else MEDIUM_L1]
+
+    def _bit(self, worker_id: str) -> int:
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = self._next_bit, self._next_bit << 1
+            self._bits[worker_id] = bit
+        return bit
 
     def replace_worker(self, worker_id: str, l1: Iterable[int], l2: Iterable[int], seq: int | None = None) -> None:
         """Resynchronise one worker's L1/L2 entries from a snapshot."""
         with self._lock:
-            self._local[worker_id] = {MEDIUM_L1: set(l1), MEDIUM_L2: set(l2)}
+            bit = self._bit(worker_id)
+            for t, hs in ((self._tiers[MEDIUM_L1], l1), (self._tiers[MEDIUM_L2], l2)):
+                t.clear_worker(bit)
+                t.add(bit, hs)
             if seq is not None:
                 self._last_seq[worker_id] = seq
 
@@ -93,7 +154,11 @@ class PrefixIndex:
     def drop_worker(self, worker_id: str) -> None:
         """Forget a dead worker's L1/L2 blocks (its L3 writes stay: they are shared)."""
         with self._lock:
-            self._local.pop(worker_id, None)
+            bit = self._bits.pop(worker_id, None)
+            if bit is not None:
+                for t in self._tiers.values():
+                    t.clear_worker(bit)
+                self._free_bits.append(bit)
             self._last_seq.pop(worker_id, None)
 
     def observe_l3(self, block_hashes: Sequence[int], present: Iterable[ChunkKey],
@@ -105,21 +170,64 @@ class PrefixIndex:
 
     # --- queries -----------------------------------------------------------------
     def match(self, block_hashes: Sequence[int], l3_max_blocks: int | None = None) -> PrefixMatch:
-        """Leading-run matches of ``block_hashes`` per worker and tier (for the policy).
+        """Per worker, the blocks the engine would load from each tier, in its order
+        L1 → L2 → L3 (see :class:`cpd.policy.routing.PrefixMatch`).
         ``l3_max_blocks``: the most leading blocks a worker would load (the engine always
-        computes the last prompt token); the L3 match is what the store can serve for that
+        computes the last prompt token); the L3 match is what the store can serve up to that
         many blocks, which at chunk granularity can be less than ``min(match, cap)``."""
         with self._lock:
-            l1 = {w: _leading(block_hashes, t[MEDIUM_L1]) for w, t in self._local.items()}
-            l2 = {w: _leading(block_hashes, t[MEDIUM_L2]) for w, t in self._local.items()}
+            ends = self._local_runs(block_hashes)
             l3 = self._l3.leading(block_hashes, l3_max_blocks)
-        return PrefixMatch(l1={w: n for w, n in l1.items() if n},
-                           l2={w: n for w, n in l2.items() if n}, l3=l3)
+            l3_after: dict[str, int] = {}
+            by_start: dict[int, int] = {0: l3}
+            for w, (_, b) in ends.items():
+                start = b if l3_max_blocks is None else min(b, max(0, l3_max_blocks))
+                if start not in by_start:
+                    by_start[start] = self._l3.leading(block_hashes, l3_max_blocks, start=start)
+                if by_start[start] > start:
+                    l3_after[w] = by_start[start]
+        return PrefixMatch(l1={w: a for w, (a, _) in ends.items() if a},
+                           l2={w: b for w, (a, b) in ends.items() if b > a}, l3=l3, l3_after=l3_after)
+
+    def _local_runs(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """worker id → (end of its L1 run from block 0, end of the L2 run continuing it)."""
+        l1 = self._tiers[MEDIUM_L1].masks
+        l2 = self._tiers[MEDIUM_L2].masks
+        in_l1 = in_l2 = 0
+        for m in self._bits.values():
+            in_l1 |= m
+        end1: dict[int, int] = {}
+        end2: dict[int, int] = {}
+        j = 0
+        for j, h in enumerate(block_hashes):
+            if not (in_l1 | in_l2):
+                break
+            m1 = l1.get(h, 0)
+            left1 = in_l1 & ~m1  # their L1 run ends here: continue in L2
+            if left1:
+                in_l1 &= m1
+                _record(end1, left1, j)
+                in_l2 |= left1
+            m2 = l2.get(h, 0)
+            left2 = in_l2 & ~m2
+            if left2:
+                in_l2 &= m2
+                _record(end2, left2, j)
+        else:
+            j = len(block_hashes)
+        _record(end1, in_l1, j)
+        _record(end2, in_l1 | in_l2, j)
+        out = {}
+        for w, bit in self._bits.items():
+            a, b = end1.get(bit, 0), end2.get(bit, 0)
+            if b:
+                out[w] = (a, b)
+        return out
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"L1": sum(len(t[MEDIUM_L1]) for t in self._local.values()),
-                    "L2": sum(len(t[MEDIUM_L2]) for t in self._local.values()), "L3": self._l3.num_blocks()}
+            return {"L1": self._tiers[MEDIUM_L1].size(), "L2": self._tiers[MEDIUM_L2].size(),
+                    "L3": self._l3.num_blocks()}
 
     def l3_chunks(self) -> list[ChunkKey]:
         """The L3 chunks the index believes visible (for tests and debugging)."""
@@ -127,10 +235,9 @@ class PrefixIndex:
             return self._l3.keys()
 
 
-def _leading(block_hashes: Sequence[int], held: set[int]) -> int:
-    n = 0
-    for h in block_hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
+def _record(ends: dict[int, int], mask: int, pos: int) -> None:
+    """Set ``ends[bit] = pos`` for every bit of ``mask``."""
+    while mask:
+        bit = mask & -mask
+        ends[bit] = pos
+        mask ^= bit

@@ -124,16 +124,19 @@ class L3View:
         return self._journal is not None
 
     # --- queries ---------------------------------------------------------------------
-    def leading(self, block_hashes: Sequence[int], max_blocks: int | None = None) -> int:
-        """Leading blocks of ``block_hashes[:max_blocks]`` the store can serve: covered by
-        chunks whose last hash is among them (what ``KVStore.lookup_prefix`` answers)."""
+    def leading(self, block_hashes: Sequence[int], max_blocks: int | None = None, start: int = 0) -> int:
+        """End of the run of blocks of ``block_hashes[:max_blocks]`` the store can serve,
+        covered by chunks whose last hash is among them (what ``KVStore.lookup_prefix``
+        answers). ``start``: blocks before it are already held (the engine loads L3 after its
+        L1/L2 run), so the run continues from there; a chunk may begin before ``start``."""
         hs = block_hashes if max_blocks is None else block_hashes[:max(0, max_blocks)]
-        covered = 0
-        for j, h in enumerate(hs):
-            ns = self._ends.get(h)
+        covered = start = min(max(0, start), len(hs))
+        ends, max_n = self._ends, self._max_n
+        for j in range(start, len(hs)):
+            ns = ends.get(hs[j])
             if ns and j - max(ns) + 1 <= covered:
                 covered = j + 1
-            elif j - covered >= self._max_n:
+            elif j - covered >= max_n:
                 break  # no chunk ending further on can reach back to the covered run
         return covered
 
