@@ -71,3 +71,56 @@ def test_same_namespace_positive_control():
     assert hash_blocks(toks, twin) == hash_blocks(toks, NS)
     assert NS.with_salt(None) is NS and NS.with_salt("") is NS
     assert NS.with_salt("s").cache_salt == "s"
+
+
+def _reference_chain(toks, ns, parent=None):
+    """The definition, block by block (no grouping, no cache)."""
+    h, out = (ns.root_hash() if parent is None else parent), []
+    for i in range(len(toks) // ns.block_size):
+        h = hash_block(h, toks[i * ns.block_size:(i + 1) * ns.block_size])
+        out.append(h)
+    return out
+
+
+def test_grouped_and_cached_hashing_equals_the_definition():
+    import random
+
+    from cpd.kv import block_hash as bh
+    rng = random.Random(7)
+    bh._GROUPS.clear()
+    g = bh.GROUP_BLOCKS * NS.block_size
+    for n in (0, 15, 16, g - 1, g, g + 16, 3 * g + 5):
+        toks = [rng.randrange(2**32) for _ in range(n)]
+        assert hash_blocks(toks, NS) == _reference_chain(toks, NS), n
+        assert hash_blocks(toks, NS) == _reference_chain(toks, NS), n  # second time: from the cache
+    assert bh._GROUPS.hits > 0
+
+
+def test_growing_session_reuses_hashed_prefix_exactly():
+    import numpy as np
+
+    from cpd.kv import block_hash as bh
+    bh._GROUPS.clear()
+    g = bh.GROUP_BLOCKS * NS.block_size
+    turn1 = list(range(1000, 1000 + 2 * g + 7))
+    turn2 = turn1 + list(range(5, 5 + g))
+    h1 = hash_blocks(turn1, NS)
+    hits0 = bh._GROUPS.hits
+    h2 = hash_blocks(turn2, NS)
+    assert bh._GROUPS.hits - hits0 == 2  # both full groups of turn 1 reused
+    assert h2[:len(h1)] == h1 and h2 == _reference_chain(turn2, NS)
+    # a changed token inside a cached group is a miss, not a stale hit
+    turn3 = list(turn2)
+    turn3[3] += 1
+    assert hash_blocks(turn3, NS) == _reference_chain(turn3, NS) and hash_blocks(turn3, NS)[0] != h2[0]
+    # the same ids as an array, and from a parent hash, agree
+    assert hash_blocks(np.asarray(turn2, dtype=np.int64), NS) == h2
+    assert hash_blocks(turn2[16:], NS, parent_hash=h2[0]) == h2[1:]
+
+
+def test_token_range_checked_for_arrays():
+    import numpy as np
+    with pytest.raises(ValueError):
+        hash_blocks(np.full(16, -1, dtype=np.int64), NS)
+    with pytest.raises(ValueError):
+        hash_blocks(np.full(16, 2**32, dtype=np.int64), NS)

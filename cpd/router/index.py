@@ -20,6 +20,9 @@ Thread-safety: all public methods take one lock; ``match`` is O(prefix length).
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
+from itertools import accumulate, islice, repeat, takewhile
+from operator import and_
 from typing import Iterable, Sequence
 
 from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, AllBlocksCleared, BlockRemoved, BlockStored,
@@ -190,39 +193,22 @@ class PrefixIndex:
                            l2={w: b for w, (a, b) in ends.items() if b > a}, l3=l3, l3_after=l3_after)
 
     def _local_runs(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
-        """worker id → (end of its L1 run from block 0, end of the L2 run continuing it)."""
-        l1 = self._tiers[MEDIUM_L1].masks
+        """worker id → (end of its L1 run from block 0, end of the L2 run continuing it).
+        The runs are walked in C (``map``/``accumulate`` over worker bitmasks, stopping when
+        no worker is left); the per-worker ends are then found by bisection."""
+        everyone = 0
+        for bit in self._bits.values():
+            everyone |= bit
+        end1 = _run_ends(self._tiers[MEDIUM_L1].masks, block_hashes, 0, everyone)
+        by_start: dict[int, int] = {}
+        for bit, a in end1.items():
+            by_start[a] = by_start.get(a, 0) | bit
         l2 = self._tiers[MEDIUM_L2].masks
-        in_l1 = in_l2 = 0
-        for m in self._bits.values():
-            in_l1 |= m
-        end1: dict[int, int] = {}
         end2: dict[int, int] = {}
-        j = 0
-        for j, h in enumerate(block_hashes):
-            if not (in_l1 | in_l2):
-                break
-            m1 = l1.get(h, 0)
-            left1 = in_l1 & ~m1  # their L1 run ends here: continue in L2
-            if left1:
-                in_l1 &= m1
-                _record(end1, left1, j)
-                in_l2 |= left1
-            m2 = l2.get(h, 0)
-            left2 = in_l2 & ~m2
-            if left2:
-                in_l2 &= m2
-                _record(end2, left2, j)
-        else:
-            j = len(block_hashes)
-        _record(end1, in_l1, j)
-        _record(end2, in_l1 | in_l2, j)
-        out = {}
-        for w, bit in self._bits.items():
-            a, b = end1.get(bit, 0), end2.get(bit, 0)
-            if b:
-                out[w] = (a, b)
-        return out
+        for a, group in by_start.items():
+            for bit, b in _run_ends(l2, block_hashes, a, group).items():
+                end2[bit] = b
+        return {w: (end1.get(bit, 0), end2[bit]) for w, bit in self._bits.items() if end2.get(bit, 0)}
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
@@ -235,9 +221,21 @@ class PrefixIndex:
             return self._l3.keys()
 
 
-def _record(ends: dict[int, int], mask: int, pos: int) -> None:
-    """Set ``ends[bit] = pos`` for every bit of ``mask``."""
-    while mask:
-        bit = mask & -mask
-        ends[bit] = pos
-        mask ^= bit
+def _run_ends(masks: dict[int, int], block_hashes: Sequence[int], start: int, group: int) -> dict[int, int]:
+    """For each worker bit in ``group``: the end of its run of consecutive blocks from
+    ``start`` whose tier mask holds the bit."""
+    acc = list(takewhile(bool, accumulate(map(masks.get, islice(block_hashes, start, None), repeat(0)), and_,
+                                          initial=group)))
+    # acc[k] = workers holding blocks start .. start+k-1 (acc[0] = group); it only loses bits
+    ends: dict[int, int] = {}
+    lo, cur = 0, group
+    while cur:
+        k = bisect_left(acc, True, lo, key=lambda x, c=cur: x != c)  # first k with acc[k] != cur
+        nxt = acc[k] if k < len(acc) else 0
+        gone = cur & ~nxt
+        while gone:
+            bit = gone & -gone
+            ends[bit] = start + k - 1
+            gone ^= bit
+        lo, cur = k, nxt
+    return ends
