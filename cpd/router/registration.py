@@ -1,0 +1,117 @@
+"""Workers announce themselves to the router: ``POST /cpd/register`` (issue 12 §1).
+
+Body: ``{"worker_id", "role", "url", "events_endpoint"}`` — where the router reaches the
+worker's internal API and KV-event publisher. With an internal secret configured the request
+must be signed (:mod:`cpd.auth`; 401 unsigned, 403 wrong secret, both logged). The router then
+checks the worker as it checks a statically configured one (``GET /info``:
+:mod:`cpd.router.compat`): a worker with another KV namespace or a smaller context is refused
+(409 with the reason; logged), never routed to.
+
+Registration is idempotent and cheap when nothing changed (a dictionary lookup): workers
+re-register periodically (:mod:`cpd.worker.registration`), which is how a restarted router
+relearns its workers, and a storm of registrations costs the serving path nothing but the
+request parsing. A known ``worker_id`` at a new address (the worker moved or restarted
+elsewhere) replaces the old address; its index entries are dropped and rebuilt. At most
+``max_workers`` distinct workers are kept (429 beyond).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cpd.router import compat
+from cpd.router.workers import WorkerInfo
+
+if TYPE_CHECKING:
+    from cpd.router.app import Router
+
+log = logging.getLogger("cpd.router.registration")
+DEFAULT_MAX_WORKERS = 1024
+
+
+class Registration(BaseModel):
+    """What a worker sends (its ``/info`` is fetched separately for the compatibility check)."""
+
+    model_config = ConfigDict(extra="ignore")
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    role: Literal["pre-prefill", "prefill", "decode"]
+    url: str = Field(pattern=r"^https?://[^\s/]+$")
+    events_endpoint: str = Field(pattern=r"^tcp://[^\s/]+$")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    typ = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": typ, "param": None, "code": code}},
+                        status_code=status)
+
+
+async def register(router: "Router", reg: Registration, max_workers: int = DEFAULT_MAX_WORKERS) -> JSONResponse:
+    """Add or update one worker, then check it; the answer says whether it is routed to."""
+    known = router.workers.by_id.get(reg.worker_id)
+    if known is not None and (known.url, known.events_endpoint, known.role) == (reg.url, reg.events_endpoint,
+                                                                                  reg.role):
+        if known.state == compat.ACCEPTED:
+            return JSONResponse({"worker_id": reg.worker_id, "state": known.state, "known": True})
+    elif known is None and len(router.workers.by_id) >= max_workers:
+        return _error(429, f"the router holds {max_workers} workers already", "too_many_workers")
+    w = _upsert(router, reg, known)
+    ok = await router._admit(w)
+    if not ok:
+        return _error(409, f"worker {reg.worker_id} refused: {w.refusal_reason or 'unreachable for GET /info'}",
+                      "worker_refused")
+    return JSONResponse({"worker_id": reg.worker_id, "state": w.state, "known": known is not None})
+
+
+def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> WorkerInfo:
+    """Create the worker, or move a known one to the registered address (its index entries are
+    dropped and rebuilt from its snapshot); an unchanged one is returned as is."""
+    if known is None:
+        w = WorkerInfo(reg.worker_id, reg.role, reg.url, reg.events_endpoint)
+        router.workers.by_id[w.worker_id] = w
+        router.backend.decode_slots.setdefault(w.worker_id, asyncio.Semaphore(router.max_decode_per_worker))
+        log.warning("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
+        new_events = True
+    elif (known.url, known.events_endpoint, known.role) != (reg.url, reg.events_endpoint, reg.role):
+        w = known
+        log.warning("worker %s moved: %s %s -> %s %s", w.worker_id, w.role, w.url, reg.role, reg.url)
+        router.index.drop_worker(w.worker_id)
+        new_events = w.events_endpoint != reg.events_endpoint
+        w.url, w.role, w.events_endpoint, w.boot_id = reg.url, reg.role, reg.events_endpoint, None
+    else:
+        return known
+    if new_events and router.subscriber is not None:
+        router.subscriber.add(w.worker_id, w.events_endpoint)
+    router._resync_pending.add(w.worker_id)
+    return w
+
+
+def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: float | None = None) -> None:
+    """Add ``POST /cpd/register`` to the router's app (signed when ``secret`` is set)."""
+    import time
+
+    from cpd.auth import DEFAULT_MAX_SKEW_S, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+
+    @app.post("/cpd/register", include_in_schema=False)
+    async def register_route(request: Request):
+        body = await request.body()
+        if secret:
+            bad = verify(secret, "POST", request.url.path, body, request.headers.get(TIMESTAMP_HEADER),
+                         request.headers.get(SIGNATURE_HEADER), time.time(), max_skew_s or DEFAULT_MAX_SKEW_S)
+            if bad is not None:
+                client = request.client.host if request.client else "?"
+                log.error("refused a registration from %s: %s", client, bad[1])
+                return _error(bad[0], bad[1], "missing_signature" if bad[0] == 401 else "invalid_signature")
+        try:
+            reg = Registration.model_validate_json(body)
+        except ValidationError as e:
+            return _error(400, f"bad registration: {e.errors()[0]['loc']} {e.errors()[0]['msg']}",
+                          "invalid_registration")
+        return await register(router, reg)
+
+
+__all__ = ["Registration", "register", "install", "DEFAULT_MAX_WORKERS"]
