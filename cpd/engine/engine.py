@@ -34,20 +34,21 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
 
 from cpd.engine.connector import EventSink, KVConnector
+from cpd.engine.executor import Executor, ForwardSeq
 from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
-from cpd.engine.model import SeqBatchInfo, build_metadata
-from cpd.engine.sampling import SamplingParams, greedy_tokens, sample
 from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for, schedule
-from cpd.engine.weights import load_model_dir_with_digest, model_id_of, tokenizer_digest
 from cpd.kv.block_hash import Namespace, hash_blocks
+from cpd.engine.sampling import SamplingParams  # cpd.messages.sampling once helper A commits it
+
+if TYPE_CHECKING:  # the torch executor imports torch; a modeled engine never does
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -163,32 +164,37 @@ class Engine:
         FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
     """
 
-    def __init__(self, model_dir: str | Path, *, num_blocks: int, block_size: int = 16, host_kv_bytes: int = 0,
+    def __init__(self, model_dir: str | Path | None, *, num_blocks: int, block_size: int = 16, host_kv_bytes: int = 0,
                  scheduler_config: SchedulerConfig | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, connector: KVConnector | None = None,
+                 dtype: torch.dtype | None = None, connector: KVConnector | None = None,
                  event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
-                 seed: int = 0, faults: FaultPlan | None = None):
-        self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.model, self.config, digest = load_model_dir_with_digest(self.model_dir, device=self.device, dtype=dtype)
-        cfg = self.config
+                 seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None):
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        if executor is None:  # the default: real model math (cpd.engine.executor_torch)
+            from cpd.engine.executor_torch import TorchExecutor
+            executor = TorchExecutor(model_dir, device=device, dtype=dtype, seed=seed, model_id=model_id)
+        self.executor = executor
+        self.model = getattr(executor, "model", None)
+        self.device = getattr(executor, "device", None)
+        self.dtype = getattr(executor, "dtype", None)
+        self.config = executor.config
+        self.arrays = executor.arrays
+        lay = executor.kv_layout
         self.block_size = int(block_size)
         sc = scheduler_config or SchedulerConfig()
         self.scheduler_config = replace(sc, block_size=self.block_size)
         self.connector = connector
         self._sink = event_sink
-        self.host_pool = HostPool(host_kv_bytes, (cfg.num_hidden_layers, 2, self.block_size,
-                                                  cfg.num_key_value_heads, cfg.head_dim),
-                                  dtype=dtype, event_sink=event_sink, pin_memory=self.device.type == "cuda")
-        self.pool = KVPool(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype=dtype, device=self.device, event_sink=event_sink,
-                           host_pool=self.host_pool)
+        self.host_pool = HostPool(executor.payload_bytes(host_kv_bytes),
+                                  (lay.num_layers, 2, self.block_size, lay.num_kv_heads, lay.head_dim),
+                                  arrays=self.arrays, event_sink=event_sink,
+                                  pin_memory=getattr(self.device, "type", "cpu") == "cuda")
+        self.pool = KVPool(lay.num_layers, num_blocks, self.block_size, lay.num_kv_heads, lay.head_dim,
+                           arrays=self.arrays, event_sink=event_sink, host_pool=self.host_pool)
         self._namespace = Namespace(
-            model_id=model_id or model_id_of(self.model_dir), weights_digest=digest,
-            tokenizer_digest=tokenizer_digest(self.model_dir), block_size=self.block_size,
-            kv_dtype=str(dtype).replace("torch.", ""), adapter_id=adapter_id)
-        self._gen = torch.Generator().manual_seed(seed)
+            model_id=model_id or executor.model_id, weights_digest=executor.weights_digest,
+            tokenizer_digest=executor.tokenizer_digest, block_size=self.block_size,
+            kv_dtype=executor.kv_dtype, adapter_id=adapter_id)
         self._waiting: collections.deque[_Req] = collections.deque()
         self._running: list[_Req] = []
         self._held: dict[str, _Req] = {}
@@ -216,9 +222,8 @@ class Engine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V of one token over all layers."""
-        c = self.config
-        return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * self.pool.kv.element_size()
+        """Bytes of K+V of one token over all layers (of the modeled model for a modeled executor)."""
+        return self.executor.kv_bytes_per_token
 
     @property
     def block_bytes(self) -> int:
@@ -284,7 +289,7 @@ class Engine:
                  req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling))
         self._submit(("add", r), req.request_id, new=True, prefill_tokens=len(toks))
 
-    def add_decode_request(self, request_id: str, token_ids: Sequence[int], kv: torch.Tensor | np.ndarray,
+    def add_decode_request(self, request_id: str, token_ids: Sequence[int], kv: Any,
                            sampling: SamplingParams, num_generated: int = 1, cache_salt: str | None = None) -> None:
         """Continue a request whose KV was computed elsewhere (the handoff's receiving side).
 
@@ -305,10 +310,10 @@ class Engine:
         toks = self._validate(request_id, token_ids, sampling)
         if not 1 <= num_generated < len(toks):
             raise ValueError("num_generated must be in [1, len(token_ids))")
-        c = self.config
-        kv_t = torch.as_tensor(kv)
-        exp = (c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
-        if kv_t.dim() != 5 or (kv_t.shape[0], kv_t.shape[1], kv_t.shape[3], kv_t.shape[4]) != exp \
+        lay = self.executor.kv_layout
+        kv_t = self.arrays.as_array(kv)
+        exp = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+        if len(kv_t.shape) != 5 or (kv_t.shape[0], kv_t.shape[1], kv_t.shape[3], kv_t.shape[4]) != exp \
                 or not 0 < kv_t.shape[2] < len(toks):
             raise ValueError(f"kv shape {tuple(kv_t.shape)} does not match [L,2,n,H,D]={exp} with n < {len(toks)}")
         r = _Req(request_id, toks, len(toks) - num_generated, sampling, "full", self._namespace.with_salt(cache_salt),
@@ -326,7 +331,7 @@ class Engine:
         """Free the KV held by a finished ``"prefill"``-mode request (after :meth:`export_kv`)."""
         self._submit(("release", request_id))
 
-    def export_kv(self, request_id: str) -> tuple[torch.Tensor, list[int]]:
+    def export_kv(self, request_id: str) -> tuple[Any, list[int]]:
         """KV and tokens of a held ``"prefill"``-mode request (finish_reason ``"handoff"``).
 
         Returns:
@@ -337,11 +342,7 @@ class Engine:
             KeyError: the request is not held.
         """
         r = self._held[request_id]
-        n = r.num_computed
-        idx = torch.as_tensor(r.blocks, dtype=torch.int64, device=self.pool.kv.device)
-        kv = self.pool.kv.index_select(2, idx)  # [L, 2, nb, bs, H, D]
-        L, two, nb, bs, H, D = kv.shape
-        return kv.reshape(L, two, nb * bs, H, D)[:, :, :n].contiguous(), list(r.tokens)
+        return self.arrays.gather_tokens(self.pool.kv, r.blocks, r.num_computed), list(r.tokens)
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (held prefill requests do not count)."""
@@ -475,7 +476,7 @@ class Engine:
 
     def _copy_in(self, blocks: Sequence[int], data: Sequence) -> None:
         for b, d in zip(blocks, data):
-            self.pool.block_view(b).copy_(torch.as_tensor(d).to(self.pool.kv.dtype))
+            self.arrays.copy_into(self.pool.block_view(b), d)
 
     def _prepare(self, r: _Req, reserve: int) -> bool:
         """Match / load the longest cached prefix of a waiting request and hold its blocks,
@@ -496,10 +497,11 @@ class Engine:
             new = self.pool.allocate(need)
             r.blocks = list(hit) + new
             start = len(hit) * bs
-            src = r.import_kv[:, :, start:n_kv].to(self.pool.kv.device, self.pool.kv.dtype)
+            src = r.import_kv[:, :, start:n_kv]
             for j, b in enumerate(new):
                 chunk = src[:, :, j * bs:(j + 1) * bs]
-                self.pool.block_view(b)[:, :, :chunk.shape[2]].copy_(chunk)
+                self.arrays.copy_into(self.pool.block_view(b)[:, :, :chunk.shape[2]], chunk)
+            self.executor.transfer("NIC", n_kv - start)
             r.num_computed = n_kv
             r.num_registered = len(hit)
             self._register_full(r)
@@ -523,10 +525,11 @@ class Engine:
                 t0 = time.perf_counter()
                 for j in range(m2):
                     h = hashes[k + j]
-                    self.pool.block_view(new[j]).copy_(self.host_pool.get(h))
+                    self.arrays.copy_into(self.pool.block_view(new[j]), self.host_pool.get(h))
                     i = k + j
                     self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
                     r.loaded_tier.setdefault(h, "L2")
+                self.executor.transfer("L2", m2 * bs)
                 self.l2_load_seconds += time.perf_counter() - t0
                 self.l2_load_bytes += m2 * self.block_bytes
                 if m2 < m:
@@ -568,6 +571,7 @@ class Engine:
                         self.pool.release(new)
                         arrays = None
                 if arrays is not None:
+                    self.executor.transfer("L3", n * bs)
                     for j in range(n):
                         i = k + j
                         h = hashes[i]
@@ -651,7 +655,7 @@ class Engine:
             return
         self._ensure_hashes(r, upto)
         idx = range(r.l3_next, upto)
-        blocks = [self.pool.block_view(r.blocks[i]).contiguous().cpu().numpy() for i in idx]
+        blocks = [self.arrays.to_numpy(self.pool.block_view(r.blocks[i])) for i in idx]
         toks = r.tokens[r.l3_next * bs:upto * bs]
         parent = r.hashes[r.l3_next - 1] if r.l3_next else None
         try:
@@ -739,32 +743,26 @@ class Engine:
         return plan, by_id
 
     def _forward(self, sched: list[tuple[_Req, int]], new_blocks: list[int]):
-        """Allocate the step's new blocks, run one model forward over all scheduled tokens and
-        return the logits of the requests that sample this step (None if none does)."""
-        infos, input_ids = [], []
+        """Allocate the step's new blocks, run the executor's forward over all scheduled tokens
+        and return the logits of the requests that sample this step (None if none does)."""
+        seqs = []
         for (r, n), nb in zip(sched, new_blocks):
             if nb:
                 r.blocks.extend(self.pool.allocate(nb))
-            infos.append(SeqBatchInfo(r.num_computed, n, r.blocks))
-            input_ids.extend(r.tokens[r.num_computed:r.num_computed + n])
+            seqs.append(ForwardSeq(r.num_computed, n, r.blocks, r.tokens, r.prompt_len))
         self._faults.check_step(r.sampling.seed for r, _ in sched)
-        meta = build_metadata(infos, self.block_size, self.device)
         samplers = [i for i, (r, n) in enumerate(sched) if r.num_computed + n == len(r.tokens)]
-        ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
-        if samplers:
-            return self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[samplers])
-        self.model(ids_t, meta, self.pool.kv, meta.last_token_indices[:1])
-        return None
+        return self.executor.forward(seqs, self.pool.kv, samplers)
 
-    def _sample_tokens(self, logits: torch.Tensor, sreqs: list[_Req]) -> list[int | BaseException]:
+    def _sample_tokens(self, logits: Any, sreqs: list[_Req]) -> list[int | BaseException]:
         """One token per sampling request, or the exception its sampling raised."""
         if all(r.sampling.temperature == 0 for r in sreqs) and not self._faults.active:
-            return greedy_tokens(logits)  # all greedy: one argmax, one sync
+            return list(self.executor.greedy_tokens(logits))  # all greedy: one argmax, one sync
         out: list[int | BaseException] = []
         for row, r in enumerate(sreqs):
             try:
                 self._faults.check_sample(r.sampling.seed)
-                out.append(sample(logits[row], r.sampling, r.num_output, self._gen))
+                out.append(self.executor.sample_token(logits, row, r.sampling, r.num_output))
             except Exception as e:  # this request's sampling only
                 out.append(e)
         return out

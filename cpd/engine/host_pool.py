@@ -13,12 +13,14 @@ Events: ``BlockStored`` / ``BlockRemoved`` with ``medium=MEDIUM_L2`` ("CPU").
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from cpd.engine.connector import EventSink
+from cpd.engine.kv_arrays import KVArrays, TorchKVArrays
 from cpd.kv.events import MEDIUM_L2, BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HostPool:
@@ -28,22 +30,23 @@ class HostPool:
         capacity_bytes: host memory budget in bytes; ``num_slots = capacity_bytes // block_bytes``.
             0 (or less than one block) disables the pool (every call is a no-op / miss).
         block_shape: ``(num_layers, 2, block_size, num_kv_heads, head_dim)``.
-        dtype: KV dtype.
+        dtype: KV dtype (torch arrays, when ``arrays`` is None).
+        arrays: the kind of KV array (:mod:`cpd.engine.kv_arrays`; numpy for a modeled engine).
         event_sink: receives L2 events (optional).
         pin_memory: pin the host tensor (faster device copies; only when CUDA is available).
     """
 
-    def __init__(self, capacity_bytes: int, block_shape: Sequence[int], dtype: torch.dtype = torch.float32,
-                 event_sink: EventSink | None = None, pin_memory: bool = False):
+    def __init__(self, capacity_bytes: int, block_shape: Sequence[int], dtype: torch.dtype | None = None,
+                 event_sink: EventSink | None = None, pin_memory: bool = False, arrays: KVArrays | None = None):
         self.block_shape = tuple(int(x) for x in block_shape)
-        self.dtype = dtype
+        self.arrays = arrays or TorchKVArrays(dtype)
+        self.dtype = getattr(self.arrays, "dtype", dtype)
         numel = 1
         for x in self.block_shape:
             numel *= x
-        self.block_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = numel * self.arrays.element_size
         self.num_slots = max(0, int(capacity_bytes) // self.block_bytes) if capacity_bytes > 0 else 0
-        pin = pin_memory and torch.cuda.is_available()
-        self.data = torch.empty((self.num_slots, *self.block_shape), dtype=dtype, pin_memory=pin)
+        self.data = self.arrays.empty((self.num_slots, *self.block_shape), pin_memory=pin_memory)
         self._sink = event_sink
         self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
@@ -66,7 +69,7 @@ class HostPool:
             self._sink(ev)
 
     def put(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
-            block: torch.Tensor) -> bool:
+            block: Any) -> bool:
         """Store a copy of ``block`` (contract layout, any device) under ``block_hash``.
 
         Already present → only refreshed to most-recently-used. Evicts the LRU entry
@@ -83,7 +86,7 @@ class HostPool:
             self.num_evictions += 1
             self._emit(BlockRemoved(block_hashes=[old_hash], medium=MEDIUM_L2))
         slot = self._free.pop()
-        self.data[slot].copy_(block)
+        self.arrays.copy_into(self.data[slot], block)
         self._lru[block_hash] = slot
         self.num_stores += 1
         self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
@@ -105,7 +108,7 @@ class HostPool:
         if block_hash in self._lru:
             self._lru.move_to_end(block_hash)
 
-    def get(self, block_hash: int) -> torch.Tensor:
+    def get(self, block_hash: int) -> Any:
         """View of the stored block (valid until the next :meth:`put`); marks it MRU.
         Raises ``KeyError`` on a miss."""
         slot = self._lru[block_hash]

@@ -19,13 +19,15 @@ on :meth:`KVPool.reset_prefix_cache`.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from cpd.engine.connector import EventSink
 from cpd.engine.host_pool import HostPool
 from cpd.kv.events import MEDIUM_L1, AllBlocksCleared, BlockRemoved, BlockStored
+from cpd.engine.kv_arrays import KVArrays, TorchKVArrays
+
+if TYPE_CHECKING:
+    import torch
 
 
 class NoFreeBlocks(RuntimeError):
@@ -39,20 +41,22 @@ class KVPool:
         num_layers, num_kv_heads, head_dim: model shapes.
         num_blocks: blocks in the pool.
         block_size: tokens per block.
-        dtype, device: of the KV tensor.
+        dtype, device: of the KV tensor (torch arrays, when ``arrays`` is None).
+        arrays: the kind of KV array (:mod:`cpd.engine.kv_arrays`; numpy for a modeled engine).
         event_sink: receives L1 events (optional).
         host_pool: L2 pool that receives evicted cached blocks (optional).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 event_sink: EventSink | None = None, host_pool: HostPool | None = None):
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 event_sink: EventSink | None = None, host_pool: HostPool | None = None,
+                 arrays: KVArrays | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim),
-                              dtype=dtype, device=device)
+        self.arrays = arrays or TorchKVArrays(dtype, device)
+        self.kv = self.arrays.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim))
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self._meta: dict[int, tuple[int | None, list[int]]] = {}  # block -> (parent hash, tokens)
@@ -68,7 +72,7 @@ class KVPool:
         if self._sink is not None:
             self._sink(ev)
 
-    def block_view(self, block: int) -> torch.Tensor:
+    def block_view(self, block: int) -> Any:
         """``[num_layers, 2, block_size, num_kv_heads, head_dim]`` view of one block (not contiguous)."""
         return self.kv[:, :, block]
 

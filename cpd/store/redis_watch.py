@@ -75,8 +75,7 @@ class EvictionWatcher:
             r = ps = None
             try:
                 r = redis.Redis(host=host, port=port, db=db, socket_timeout=to,
-                                socket_connect_timeout=to, health_check_interval=0,
-                                **getattr(self.store, "connection", {}))
+                                socket_connect_timeout=to, health_check_interval=0)
                 try:
                     enable_notifications(r)
                 except redis.ResponseError as e:  # CONFIG disabled: assume it is configured

@@ -1,0 +1,66 @@
+"""The ``torch`` executor: real model math (:class:`cpd.engine.model.LlamaModel`) on the
+engine's paged KV tensor. The default executor; see :mod:`cpd.engine.executor`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from cpd.engine.executor import ForwardSeq, KVLayout
+from cpd.engine.kv_arrays import TorchKVArrays
+from cpd.engine.model import SeqBatchInfo, build_metadata
+from cpd.engine.sampling import greedy_tokens, sample
+from cpd.engine.weights import load_model_dir_with_digest, model_id_of, tokenizer_digest
+
+
+class TorchExecutor:
+    """Loads a HF Llama directory and runs its forward.
+
+    Args:
+        model_dir: HF Llama directory (see :mod:`cpd.engine.weights`).
+        device: torch device ("cpu", "cuda", ...).
+        dtype: model and KV dtype (float32 default).
+        seed: seed of the generator used by unseeded sampling.
+        model_id: namespace model id (default: config ``cpd_model_id`` or the dir name).
+    """
+
+    def __init__(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None, seed: int = 0,
+                 model_id: str | None = None):
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else torch.float32
+        self.model, self.config, self.weights_digest = load_model_dir_with_digest(
+            model_dir, device=self.device, dtype=self.dtype)
+        c = self.config
+        self.kv_layout = KVLayout(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        self.arrays = TorchKVArrays(self.dtype, self.device)
+        self.kv_bytes_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * \
+            self.arrays.element_size
+        self.model_id = model_id or model_id_of(model_dir)
+        self.tokenizer_digest = tokenizer_digest(model_dir)
+        self.kv_dtype = str(self.dtype).replace("torch.", "")
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def payload_bytes(self, model_bytes: int) -> int:
+        return int(model_bytes)
+
+    def forward(self, seqs: Sequence[ForwardSeq], kv: Any, sample_rows: Sequence[int]) -> Any:
+        infos = [SeqBatchInfo(s.num_computed, s.num_new, list(s.blocks)) for s in seqs]
+        input_ids: list[int] = []
+        for s in seqs:
+            input_ids.extend(s.token_ids[s.num_computed:s.num_computed + s.num_new])
+        meta = build_metadata(infos, kv.shape[3], self.device)
+        ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
+        if sample_rows:
+            return self.model(ids_t, meta, kv, meta.last_token_indices[list(sample_rows)])
+        self.model(ids_t, meta, kv, meta.last_token_indices[:1])
+        return None
+
+    def greedy_tokens(self, logits: Any) -> list[int]:
+        return greedy_tokens(logits)
+
+    def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
+        return sample(logits[row], params, output_index, self._gen)
+
+    def transfer(self, tier: str, num_tokens: int) -> None:
+        """Real copies take their own time: nothing to add."""
