@@ -10,22 +10,14 @@ from urllib.parse import parse_qs, urlparse
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, EventSink, KVStore, PendingWrite, StoreStats,
                             StoreTimeout, StoreUnavailable)
+from cpd.store.sizes import parse_size
 
 __all__ = ["KVStore", "PendingWrite", "StoreStats", "StoreTimeout", "StoreUnavailable", "open_store",
            "parse_size"]
 
 _TRUE = {"1", "true", "yes", "on"}
 
-
-def parse_size(v: str | int) -> int:
-    """``"1073741824"``, ``"512M"``, ``"1.5G"``, ``"64KiB"`` -> bytes (binary multiples)."""
-    if isinstance(v, int):
-        return v
-    s = v.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(float(s))
+from cpd.store.redis_url import connection_kwargs  # noqa: E402  (user, password, TLS of redis URLs)
 
 
 def _hosts(netloc: str) -> list[tuple[str, int]]:
@@ -99,13 +91,13 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
             cap = machine_default_capacity_bytes(root)
         return FileStore(root, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st,
                          capacity_bytes=cap, evict_interval_s=float(q.get("evict_interval_s", 5.0)))
-    if u.scheme in ("redis", "redis+cluster", "rediss+cluster"):
+    if u.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
         we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE
         kw = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
                   stale_timeout_s=st, capacity_bytes=cap or 0, watch_evictions=we,
-                  chunk_ttl_s=float(q.get("chunk_ttl_s", 0)))
-        if u.scheme != "redis" or q.get("cluster", "0").lower() in _TRUE:
+                  chunk_ttl_s=float(q.get("chunk_ttl_s", 0)), connection=connection_kwargs(u, q))
+        if u.scheme not in ("redis", "rediss") or q.get("cluster", "0").lower() in _TRUE:
             from cpd.store.redis_cluster_store import RedisClusterStore
             return RedisClusterStore(_hosts(u.netloc), **kw)
         from cpd.store.redis_store import RedisStore

@@ -69,7 +69,8 @@ class RedisClusterStore(RedisStore):
                 with self._guard():
                     rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
                                       socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                                      retry=Retry(NoBackoff(), 0), require_full_coverage=True)
+                                      retry=Retry(NoBackoff(), 0), require_full_coverage=True,
+                                      **self.connection)
                 self._register_scripts(rc)
                 self._rc = rc
             elif self._broken:

@@ -227,7 +227,9 @@ class RedisStore(KVStore):
                  prefix: str = "cpd:kv:", timeout_s: float = 0.5, chunk_blocks: int = 1,
                  event_sink: EventSink | None = None,
                  stale_timeout_s: float = DEFAULT_STALE_TIMEOUT_S, capacity_bytes: int = 0,
-                 watch_evictions: bool = False, evict_batch: int = 32, chunk_ttl_s: float = 0.0):
+                 watch_evictions: bool = False, evict_batch: int = 32, chunk_ttl_s: float = 0.0,
+                 connection: dict | None = None):
+        self.connection = dict(connection or {})  # username, password, ssl options (cpd.store.redis_url)
         super().__init__(chunk_blocks, event_sink, stale_timeout_s, capacity_bytes)
         self.prefix = prefix
         self.db = db
@@ -243,10 +245,10 @@ class RedisStore(KVStore):
             self.start_watcher()
 
     def _init_client(self, host: str, port: int, db: int) -> None:
-        self.url = f"redis://{host}:{port}/{db}"
+        self.url = f"{'rediss' if self.connection.get('ssl') else 'redis'}://{host}:{port}/{db}"
         self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=self.timeout_s,
                              socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
-                             health_check_interval=0)
+                             health_check_interval=0, **self.connection)
         self._register_scripts(self.r)
 
     def _register_scripts(self, r) -> None:

@@ -75,7 +75,8 @@ class EvictionWatcher:
             r = ps = None
             try:
                 r = redis.Redis(host=host, port=port, db=db, socket_timeout=to,
-                                socket_connect_timeout=to, health_check_interval=0)
+                                socket_connect_timeout=to, health_check_interval=0,
+                                **getattr(self.store, "connection", {}))
                 try:
                     enable_notifications(r)
                 except redis.ResponseError as e:  # CONFIG disabled: assume it is configured
