@@ -1,9 +1,12 @@
-"""The ``cpd`` command: serve, bench, simulate, analyze, demo."""
+"""The ``cpd`` command: serve, config show, bench, simulate, analyze, demo."""
 from __future__ import annotations
 
+import secrets
+import functools
+import inspect
 import signal
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -18,31 +21,64 @@ def _resolve_model(model: Optional[str]) -> str:
     return str(default_model_dir())
 
 
+def _flag_type(key: str) -> type:
+    """Command-line type of a config key: sizes stay text (``512M``), the rest as declared."""
+    from cpd.config import field_info
+    if key.endswith("_bytes"):
+        return str
+    ann = field_info(key)[0]
+    for t in (bool, int, float):
+        if ann is t or ann == Optional[t]:
+            return t
+    return str
+
+
+def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command ``--config FILE``, repeatable ``--set KEY=VALUE`` and one option per
+    :data:`cpd.config.FLAGS` entry (help text from the config tree). The command receives
+    the effective :class:`cpd.config.Config` as its ``cfg`` argument instead."""
+    from cpd.config import FLAGS, ConfigError, build_config, field_info, parse_assignments
+
+    own = [p for p in inspect.signature(func).parameters.values() if p.name != "cfg"]
+    extra = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                               default=typer.Option(None, "--config", help="config file (.toml, .yaml, .json)")),
+             inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]],
+                               default=typer.Option(None, "--set", help="override any key: SECTION.KEY=VALUE "
+                                                                        "(repeatable)"))]
+    for f in FLAGS:
+        t = _flag_type(f.key)
+        names = f.names if t is not bool else tuple(f"{n}/--no-{n[2:]}" for n in f.names[:1])
+        extra.append(inspect.Parameter(_param_name(f.key), inspect.Parameter.KEYWORD_ONLY,
+                                       annotation=Optional[t],
+                                       default=typer.Option(None, *names, help=f"{field_info(f.key)[1]} (key {f.key})")))
+
+    @functools.wraps(func)
+    def wrapper(**kw: Any) -> Any:
+        overrides = {f.key: kw.pop(_param_name(f.key)) for f in FLAGS}
+        try:
+            overrides.update(parse_assignments(kw.pop("set_") or []))
+            cfg = build_config(kw.pop("config"), overrides)
+        except ConfigError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        return func(cfg=cfg, **kw)
+
+    wrapper.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
+
+
+def _param_name(key: str) -> str:
+    return "opt_" + key.replace(".", "__")
+
+
 @app.command()
-def serve(
-    topology: str = typer.Option("cpd", help="cpd (pre-prefill + prefill + decode) or pd (prefill + decode)"),
-    pre_prefill: Optional[int] = typer.Option(None, "--pre-prefill", help="pre-prefill workers (cpd: default 1)"),
-    prefill: Optional[int] = typer.Option(None, "--prefill", help="prefill workers (cpd: 1, pd: 2)"),
-    decode: int = typer.Option(1, "--decode", help="decode workers"),
-    model: Optional[str] = typer.Option(None, help="HF Llama-family directory (default: SmolLM2-135M-Instruct)"),
-    kv_store: str = typer.Option("", help="L3 store: file:///dev/shm/DIR or redis://HOST:PORT (default: fresh file:// dir)"),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8000),
-    num_blocks: int = typer.Option(2048, help="L1 KV blocks per worker"),
-    l3_chunk_blocks: int = typer.Option(0, help="blocks per L3 store value (0 = URL's chunk_blocks or 1)"),
-    l3_capacity: str = typer.Option("", help="L3 store capacity, e.g. 8G (0 = unlimited; default: the URL's "
-                                             "capacity_bytes, else sized from the machine, see cpd.store.capacity)"),
-    block_size: int = typer.Option(16, help="tokens per KV block"),
-    host_kv_bytes: int = typer.Option(512 << 20, help="L2 host KV pool bytes per worker"),
-    cold_threshold: float = typer.Option(0.5, help="reuse ratio below which a request is cold"),
-    max_num_batched_tokens: int = typer.Option(512, help="engine token budget per step"),
-    log_dir: Optional[str] = typer.Option(None, help="where worker/router logs go"),
-    torch_threads: int = typer.Option(0, help="torch threads per worker (0 = cores / workers)"),
-    restart_backoff_s: float = typer.Option(1.0, help="first restart delay of a dead worker/router; doubles per "
-                                                      "consecutive quick exit"),
-    restart_backoff_max_s: float = typer.Option(30.0, help="cap of the restart delay"),
-):
+@config_options
+def serve(cfg: Any = None) -> None:
     """Run a CPD (or plain P/D) deployment until Ctrl-C (SIGINT) or SIGTERM.
+
+    Every setting comes from the configuration tree (``cpd config show`` prints it): defaults,
+    then ``--config FILE``, then the flags below and ``--set SECTION.KEY=VALUE``.
 
     The launcher supervises its children: a worker or router that exits is restarted on the
     same ports with exponential backoff while the others keep serving (logged here and in
@@ -50,32 +86,22 @@ def serve(
     /cpd/processes). Only Ctrl-C/SIGTERM stops everything (router first, then workers)."""
     import logging
 
-    from cpd.deploy import Deployment, DeploymentConfig
+    from cpd.deploy import Deployment
 
-    if topology not in ("cpd", "pd"):
-        raise typer.BadParameter("topology must be cpd or pd")
-    cfg = DeploymentConfig(
-        model_dir=_resolve_model(model), topology=topology,
-        num_pre_prefill=(pre_prefill if pre_prefill is not None else 1) if topology == "cpd" else 0,
-        num_prefill=prefill if prefill is not None else (1 if topology == "cpd" else 2),
-        num_decode=decode, kv_store=kv_store, host=host, port=port, num_blocks=num_blocks, l3_chunk_blocks=l3_chunk_blocks, block_size=block_size,
-        host_kv_bytes=host_kv_bytes, cold_threshold=cold_threshold, max_num_batched_tokens=max_num_batched_tokens,
-        torch_threads=torch_threads, supervise=True, restart_backoff_s=restart_backoff_s,
-        restart_backoff_max_s=restart_backoff_max_s,
-        worker_extra_args=["--l3-capacity-bytes", l3_capacity] if l3_capacity else [])
+    cfg.model.dir = _resolve_model(cfg.model.dir)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("cpd.deploy").setLevel(logging.INFO)
     stop = {"flag": False, "started": False}
 
-    def on_signal(*_):
+    def on_signal(*_: Any) -> None:
         stop["flag"] = True
         if not stop["started"]:  # still starting: unwind start(), which stops what it started
             raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job starts with it ignored
         signal.signal(sig, on_signal)
-    dep = Deployment(cfg, log_dir=log_dir)
-    typer.echo(f"starting {topology}: {', '.join(cfg.roles())} (model {cfg.model_dir})")
+    dep = Deployment(cfg)
+    typer.echo(f"starting {cfg.deployment.topology}: {', '.join(cfg.deployment.roles())} (model {cfg.model.dir})")
     try:
         dep.start()
         stop["started"] = True
@@ -89,6 +115,22 @@ def serve(
         stop["started"] = True  # a second signal while stopping must not interrupt the stop
         dep.stop()
         typer.echo("stopped")
+
+
+config_app = typer.Typer(help="The configuration tree shared by every cpd process.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+@config_options
+def config_show(cfg: Any = None,
+                fmt: str = typer.Option("toml", "--format", help="toml, json or yaml")) -> None:
+    """Print the effective configuration (defaults < --config FILE < flags and --set)."""
+    from cpd.config import dump
+    if fmt not in ("toml", "json", "yaml"):
+        typer.echo("error: --format must be toml, json or yaml", err=True)
+        raise typer.Exit(2)
+    typer.echo(dump(cfg, fmt), nl=False)  # type: ignore[arg-type]
 
 
 @app.command()

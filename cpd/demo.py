@@ -48,12 +48,14 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24) -> list[dict]:
     from openai import OpenAI
 
     from cpd.cli import _resolve_model
-    from cpd.deploy import Deployment, DeploymentConfig
+    from cpd.config import build_config
+    from cpd.deploy import Deployment
 
     console = Console(width=120)
-    cfg = DeploymentConfig(model_dir=_resolve_model(model_dir), topology="cpd", num_pre_prefill=1, num_prefill=1,
-                           num_decode=1)
-    console.print(f"[bold]starting[/] router + {', '.join(cfg.roles())} (model {cfg.model_dir})")
+    cfg = build_config(overrides={"model.dir": _resolve_model(model_dir), "router.port": 0,
+                                  "deployment.topology": "cpd", "deployment.num_pre_prefill": 1,
+                                  "deployment.num_prefill": 1, "deployment.num_decode": 1})
+    console.print(f"[bold]starting[/] router + {', '.join(cfg.deployment.roles())} (model {cfg.model.dir})")
     rows: list[dict] = []
     with Deployment(cfg) as dep:
         client = OpenAI(base_url=f"{dep.url}/v1", api_key="none")

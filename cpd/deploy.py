@@ -1,11 +1,15 @@
 """Start and stop a whole CPD deployment on one host: worker processes + router process.
 
-Used by ``cpd serve``, ``make demo`` and the tests. Every process is a child that
+Used by ``cpd serve``, ``make demo`` and the tests. What to start is a :class:`cpd.config.Config`
+(sections ``deployment`` for the pools and supervision, ``engine``/``kv``/``handoff`` for the
+workers, ``router``); the launcher writes it to ``workers.toml`` (every worker reads it with
+``--config``) and, completed with the workers' endpoints and reported KV namespace, to
+``router.toml`` for the router. Every process is a child that
 dies with its parent (``PR_SET_PDEATHSIG`` on Linux), so no orphans are left even if
 the launcher is killed; children run in their own session, so a terminal's Ctrl-C reaches
 only the launcher, which stops them in order (router first, then workers).
 
-With ``supervise=True`` (what ``cpd serve`` uses) a child that exits is restarted with the
+With ``deployment.supervise`` (the default) a child that exits is restarted with the
 same command line and ports, with exponential backoff (:mod:`cpd.supervise`); only
 :meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
 ``<log_dir>/supervisor.json``, which the router exports as metrics.
@@ -24,11 +28,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from cpd.config import Config, ServedModel, WorkerEndpoint
+from cpd.config import write as write_config
 from cpd.supervise import Child, RestartPolicy, Supervisor
 
 log = logging.getLogger("cpd.deploy")
@@ -50,44 +55,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-@dataclass
-class DeploymentConfig:
-    """What to start. Pool sizes: ``pd`` topology means no pre-prefill pool."""
-
-    model_dir: str
-    topology: str = "cpd"
-    num_pre_prefill: int = 1
-    num_prefill: int = 1
-    num_decode: int = 1
-    kv_store: str = ""  # "" = a fresh file:// store under /dev/shm, removed at stop
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = pick a free port
-    num_blocks: int = 1024
-    l3_chunk_blocks: int = 0  # 0 = the store URL's chunk_blocks, else 1
-    block_size: int = 16
-    host_kv_bytes: int = 256 << 20
-    cold_threshold: float = 0.5
-    max_num_batched_tokens: int = 512
-    max_prefill_chunk_tokens: int = 512
-    max_num_seqs: int = 32
-    torch_threads: int = 0  # 0 = cores / workers, at least 1
-    max_in_flight: int = 256
-    max_decode_per_worker: int = 0  # 0 = 2 x max_num_seqs
-    handoff_force_tcp: bool = False  # use the cross-host (TCP) handoff path even on one host
-    worker_extra_args: list = field(default_factory=list)  # appended to every worker's command line
-    model_name: str = ""
-    extra_env: dict = field(default_factory=dict)
-    supervise: bool = False  # restart children that exit (cpd serve: on)
-    restart_backoff_s: float = 1.0  # first restart delay; doubles per consecutive quick exit
-    restart_backoff_max_s: float = 30.0
-    restart_stable_s: float = 60.0  # an exit after this much uptime starts the backoff over
-    restart_ready_timeout_s: float = 300.0  # a restarted child must be ready within this
-
-    def roles(self) -> list[str]:
-        pre = self.num_pre_prefill if self.topology == "cpd" else 0
-        return ["pre-prefill"] * pre + ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
-
-
 class DeploymentError(RuntimeError):
     pass
 
@@ -95,29 +62,44 @@ class DeploymentError(RuntimeError):
 class Deployment:
     """A running deployment. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, cfg: DeploymentConfig, log_dir: str | None = None):
+    def __init__(self, cfg: Config, log_dir: str | None = None, extra_env: dict[str, str] | None = None,
+                 worker_extra_args: list[str] | None = None):
+        """``cfg``: the deployment's configuration (``model.dir`` must be set). ``extra_env`` goes
+        into every child's environment and ``worker_extra_args`` onto every worker's command line
+        (tests: fault injection, secrets)."""
+        if not cfg.model.dir:
+            raise DeploymentError("model.dir is empty: set it (cpd serve resolves the default model)")
         self.cfg = cfg
+        self.extra_env = dict(extra_env or {})
+        self.worker_extra_args = [str(x) for x in worker_extra_args or []]
         self.workers: list[dict] = []  # READY info per worker (+ url, events_endpoint, pid)
         self.children: dict[str, Child] = {}  # worker id or "router" -> its process record
-        self.port = cfg.port or free_port()
-        self.url = f"http://{cfg.host}:{self.port}"
+        self.host = cfg.router.host
+        self.port = cfg.router.port or free_port()
+        self.url = f"http://{self.host}:{self.port}"
         self._own_store: str | None = None
         self._tmp = tempfile.mkdtemp(prefix="cpd-deploy-")
-        self.log_dir = Path(log_dir or self._tmp)
+        self.log_dir = Path(log_dir or cfg.deployment.log_dir or self._tmp)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.status_path = self.log_dir / "supervisor.json"
         self.supervisor: Supervisor | None = None
+        self.model_name = ""
+
+    @property
+    def model_dir(self) -> str:
+        return self.cfg.model.dir
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> "Deployment":
-        kv_store = self.cfg.kv_store
+        kv_store = self.cfg.kv.l3_url
         if not kv_store:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             self._own_store = tempfile.mkdtemp(prefix="cpd-l3-", dir=base)
             kv_store = f"file://{self._own_store}"
         self.kv_store = kv_store
         try:
-            self._start_workers(kv_store, timeout_s)
+            self.worker_config_path = self._write_worker_config(kv_store)
+            self._start_workers(timeout_s)
             self._start_router(timeout_s)
             self._start_supervisor()
         except BaseException:
@@ -137,9 +119,15 @@ class Deployment:
 
     def _env(self) -> dict:
         env = dict(os.environ)
-        env.update({k: str(v) for k, v in self.cfg.extra_env.items()})
+        env.update({k: str(v) for k, v in self.extra_env.items()})
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
+
+    def internal_client_auth(self):
+        """``auth=`` for httpx calls to the workers' internal endpoints (signed when a secret is
+        set: ``auth.internal_secret_file``, else ``$CPD_INTERNAL_SECRET`` of the children)."""
+        from cpd.auth import client_auth, load_secret
+        return client_auth(load_secret(self.cfg.auth.internal_secret_file or None, env=self._env()))
 
     def _log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -160,29 +148,27 @@ class Deployment:
                 log_file.close()  # the child holds its own descriptor
         return spawn
 
-    def _worker_args(self, role: str, wid: str, kv_store: str, threads: int) -> list[str]:
-        port, eport = free_port(), free_port()
-        args = ["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", self.cfg.model_dir,
-                "--host", self.cfg.host, "--port", str(port), "--events-port", str(eport),
-                "--kv-store", kv_store, "--num-blocks", str(self.cfg.num_blocks),
-                "--l3-chunk-blocks", str(self.cfg.l3_chunk_blocks),
-                "--block-size", str(self.cfg.block_size), "--host-kv-bytes", str(self.cfg.host_kv_bytes),
-                "--max-num-batched-tokens", str(self.cfg.max_num_batched_tokens),
-                "--max-prefill-chunk-tokens", str(self.cfg.max_prefill_chunk_tokens),
-                "--max-num-seqs", str(self.cfg.max_num_seqs), "--torch-threads", str(threads)]
-        if self.cfg.handoff_force_tcp:
-            args.append("--handoff-force-tcp")
-        return args + [str(x) for x in self.cfg.worker_extra_args]
+    def _write_worker_config(self, kv_store: str) -> Path:
+        """The configuration every worker reads (``--config``): this deployment's, with its store."""
+        wcfg = self.cfg.model_copy(deep=True)
+        wcfg.kv.l3_url = kv_store
+        return write_config(wcfg, Path(self._tmp) / "workers.toml")
 
-    def _start_workers(self, kv_store: str, timeout_s: float) -> None:
-        roles = self.cfg.roles()
-        threads = self.cfg.torch_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    def _worker_args(self, role: str, wid: str, threads: int) -> list[str]:
+        port, eport = free_port(), free_port()
+        return ["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--host", self.host,
+                "--port", str(port), "--events-port", str(eport), "--config", str(self.worker_config_path),
+                "--torch-threads", str(threads), *self.worker_extra_args]
+
+    def _start_workers(self, timeout_s: float) -> None:
+        roles = self.cfg.deployment.roles()
+        threads = self.cfg.engine.torch_threads or max(1, (os.cpu_count() or 1) // len(roles))
         counters: dict[str, int] = {}
         pending = []
         for role in roles:
             i = counters[role] = counters.get(role, -1) + 1
             wid = f"{ROLE_PREFIX[role]}{i}"
-            c = Child(wid, role, self._spawner(self._worker_args(role, wid, kv_store, threads), wid),
+            c = Child(wid, role, self._spawner(self._worker_args(role, wid, threads), wid),
                       on_started=self._watch_worker_ready)
             c.proc = c.spawn()
             c.started_at_s = time.monotonic()
@@ -190,8 +176,8 @@ class Deployment:
             pending.append(c)
         for c in pending:
             info = _wait_ready(c.proc, timeout_s, self._log_path(c.name))
-            info["url"] = f"http://{self.cfg.host}:{info['port']}"
-            info["events_endpoint"] = f"tcp://{self.cfg.host}:{info['events_port']}"
+            info["url"] = f"http://{self.host}:{info['port']}"
+            info["events_endpoint"] = f"tcp://{self.host}:{info['events_port']}"
             info["pid"] = c.proc.pid
             c.ready.set()
             self.workers.append(info)
@@ -202,7 +188,7 @@ class Deployment:
 
         def wait() -> None:
             try:
-                info = _wait_ready(proc, self.cfg.restart_ready_timeout_s, self._log_path(c.name))
+                info = _wait_ready(proc, self.cfg.deployment.restart_ready_timeout_s, self._log_path(c.name))
             except DeploymentError as e:
                 log.warning("restarted %s did not become ready: %s", c.name, str(e).splitlines()[0])
                 return
@@ -224,7 +210,7 @@ class Deployment:
         proc = c.proc
 
         def wait() -> None:
-            deadline = time.monotonic() + self.cfg.restart_ready_timeout_s
+            deadline = time.monotonic() + self.cfg.deployment.restart_ready_timeout_s
             while time.monotonic() < deadline and proc.poll() is None:
                 try:
                     httpx.get(f"{self.url}/health", timeout=1.0)
@@ -239,27 +225,33 @@ class Deployment:
                 return
         threading.Thread(target=wait, name="ready-router", daemon=True).start()
 
+    def _router_config(self, w0: dict) -> Config:
+        """This deployment's configuration plus what the router learns from the workers: their
+        endpoints and the KV namespace/context they reported (``router.workers``, ``router.served``)."""
+        rcfg = self.cfg.model_copy(deep=True)
+        rcfg.model.name = self.cfg.model.name or w0["model_name"]
+        rcfg.kv.l3_url = self.kv_store
+        rcfg.router.port = self.port
+        rcfg.router.supervisor_status = str(self.status_path)
+        rcfg.router.workers = [WorkerEndpoint(**{k: w[k] for k in ("worker_id", "role", "url", "events_endpoint")})
+                               for w in self.workers]
+        rcfg.router.served = ServedModel(namespace=w0["namespace"], max_model_len=w0["max_model_len"],
+                                         kv_bytes_per_token=w0["kv_bytes_per_token"])
+        return rcfg
+
     def _start_router(self, timeout_s: float) -> None:
         w0 = self.workers[0]
         for w in self.workers[1:]:
             if w["namespace"] != w0["namespace"]:
                 raise DeploymentError(f"workers disagree on the KV namespace: {w0['namespace']} vs {w['namespace']}")
-        rcfg = {"workers": [{k: w[k] for k in ("worker_id", "role", "url", "events_endpoint")} for w in self.workers],
-                "namespace": w0["namespace"], "tokenizer_dir": self.cfg.model_dir,
-                "model_name": self.cfg.model_name or w0["model_name"], "max_model_len": w0["max_model_len"],
-                "kv_bytes_per_token": w0["kv_bytes_per_token"], "topology": self.cfg.topology,
-                "cold_threshold": self.cfg.cold_threshold, "max_in_flight": self.cfg.max_in_flight,
-                "max_decode_per_worker": self.cfg.max_decode_per_worker or 2 * self.cfg.max_num_seqs,
-                "host": self.cfg.host, "port": self.port, "supervisor_status": str(self.status_path)}
-        path = Path(self._tmp) / "router.json"
-        path.write_text(json.dumps(rcfg))
+        path = write_config(self._router_config(w0), Path(self._tmp) / "router.toml")
         c = Child("router", "router", self._spawner(["-m", "cpd.router.main", "--config", str(path)], "router",
                                             stdout_pipe=False),
                   on_started=self._watch_router_ready)
         c.proc = c.spawn()
         c.started_at_s = time.monotonic()
         self.children["router"] = c
-        self.model_name = rcfg["model_name"]
+        self.model_name = self.cfg.model.name or w0["model_name"]
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if c.proc.poll() is not None:
@@ -275,10 +267,11 @@ class Deployment:
 
     def _start_supervisor(self) -> None:
         """Write the status file; with ``supervise`` also start restarting exited children."""
-        policy = RestartPolicy(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, self.cfg.restart_stable_s)
+        d = self.cfg.deployment
+        policy = RestartPolicy(d.restart_backoff_s, d.restart_backoff_max_s, d.restart_stable_s)
         self.supervisor = Supervisor(list(self.children.values()), policy, self.status_path,
                                      log_path=self._log_path)
-        if self.cfg.supervise:
+        if d.supervise:
             self.supervisor.start()
         else:
             self.supervisor.write_status()
@@ -362,13 +355,13 @@ class Deployment:
 
     def pool_stats(self) -> dict[str, dict]:
         """Each live worker's block-pool accounting (``GET /load``)."""
-        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5).json()["pool"]
+        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5, auth=self.internal_client_auth()).json()["pool"]
                 for w in self.alive_workers()}
 
     def reset_prefix_caches(self) -> None:
         """Clear every worker's L1 and L2 (the L3 store is untouched)."""
         for u in self.worker_urls():
-            httpx.post(f"{u}/reset_prefix_cache", timeout=10).raise_for_status()
+            httpx.post(f"{u}/reset_prefix_cache", timeout=10, auth=self.internal_client_auth()).raise_for_status()
 
 
 def _wait_ready(p: subprocess.Popen, timeout_s: float, log_path: Path) -> dict:

@@ -6,17 +6,37 @@ import time
 import httpx
 import numpy as np
 
-from cpd.deploy import Deployment, DeploymentConfig
+from cpd.config import build_config
+from cpd.deploy import Deployment
+
+# Keyword names of start() -> configuration keys (cpd.config); the rest go to Deployment().
+START_KEYS = {"topology": "deployment.topology", "num_pre_prefill": "deployment.num_pre_prefill",
+              "num_prefill": "deployment.num_prefill", "num_decode": "deployment.num_decode",
+              "kv_store": "kv.l3_url", "l3_chunk_blocks": "kv.l3_chunk_blocks", "num_blocks": "engine.num_blocks",
+              "host_kv_bytes": "kv.host_kv_bytes", "block_size": "engine.block_size",
+              "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+              "torch_threads": "engine.torch_threads", "handoff_force_tcp": "handoff.force_tcp",
+              "cold_threshold": "router.cold_threshold", "max_in_flight": "router.max_in_flight",
+              "max_decode_per_worker": "router.max_decode_per_worker", "supervise": "deployment.supervise",
+              "restart_backoff_s": "deployment.restart_backoff_s", "api_keys": "auth.api_keys",
+              "api_key_files": "auth.api_key_files"}
 
 
 def start(model_dir: str, topology: str = "cpd", kv_store: str = "", **kw) -> Deployment:
-    cfg = DeploymentConfig(model_dir=str(model_dir), topology=topology,
-                           num_pre_prefill=kw.pop("num_pre_prefill", 1 if topology == "cpd" else 0),
-                           num_prefill=kw.pop("num_prefill", 1 if topology == "cpd" else 2),
-                           num_decode=kw.pop("num_decode", 1), kv_store=kv_store,
-                           num_blocks=kw.pop("num_blocks", 256), host_kv_bytes=kw.pop("host_kv_bytes", 16 << 20),
-                           torch_threads=1, **kw)
-    return Deployment(cfg).start()
+    """A started deployment of ``model_dir`` with test-sized pools (256 L1 blocks, 16 MiB L2, one
+    torch thread, a free router port, no supervision unless asked). Keywords: :data:`START_KEYS`,
+    plus ``extra_env``, ``worker_extra_args`` and ``internal_secret`` (given to every child as
+    ``$CPD_INTERNAL_SECRET``)."""
+    settings = {"topology": topology, "kv_store": kv_store, "num_blocks": 256, "host_kv_bytes": 16 << 20,
+                "torch_threads": 1, "supervise": False}
+    settings.update({k: kw.pop(k) for k in list(kw) if k in START_KEYS})
+    overrides = {START_KEYS[k]: v for k, v in settings.items()}
+    overrides.update({"model.dir": str(model_dir), "router.port": 0})
+    extra_env = dict(kw.pop("extra_env", {}))
+    if kw.get("internal_secret"):
+        extra_env["CPD_INTERNAL_SECRET"] = kw.pop("internal_secret")
+    kw.pop("internal_secret", None)
+    return Deployment(build_config(overrides=overrides), extra_env=extra_env, **kw).start()
 
 
 def wait_pools_idle(dep: Deployment, timeout_s: float = 10.0) -> dict:

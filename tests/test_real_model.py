@@ -25,10 +25,10 @@ def test_real_model_oracle(real_dep):
     from cpd.engine.sampling import SamplingParams
     from cpd.router.tokenization import load_tokenizer
 
-    tok = load_tokenizer(real_dep.cfg.model_dir)
+    tok = load_tokenizer(real_dep.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in two sentences why the sea is salty. "
                                                                   "Mention rivers and rocks."}])
-    expected = Engine(real_dep.cfg.model_dir, num_blocks=32).generate(
+    expected = Engine(real_dep.model_dir, num_blocks=32).generate(
         prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
     paths = []

@@ -102,7 +102,7 @@ class Proc:
 
 
 def _worker(dep, tmp: Path, wid: str, role: str, port: int, eport: int, *extra: str, log: str = "") -> Proc:
-    return Proc(["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", dep.cfg.model_dir,
+    return Proc(["-m", "cpd.worker.main", "--role", role, "--worker-id", wid, "--model", dep.model_dir,
                  "--port", str(port), "--events-port", str(eport), "--kv-store", dep.kv_store,
                  "--host-kv-bytes", str(16 << 20), "--torch-threads", "1", *extra], tmp / f"{log or wid}.log")
 
@@ -136,11 +136,13 @@ def setup(tiny_model_dir, tmp_path_factory):
             p.wait_ready()
         w0 = dep.workers[0]
         port = free_port()
-        cfg = {"workers": [_entry(w["worker_id"], w["role"], w["port"], w["events_port"]) for w in dep.workers]
-               + [_entry("pbad", "prefill", *ports["pbad"]), _entry("dsmall", "decode", *ports["dsmall"])],
-               "namespace": w0["namespace"], "tokenizer_dir": dep.cfg.model_dir, "model_name": dep.model_name,
-               "max_model_len": w0["max_model_len"], "kv_bytes_per_token": w0["kv_bytes_per_token"],
-               "topology": "cpd", "host": "127.0.0.1", "port": port, "max_request_body_bytes": 1 << 20}
+        cfg = {"model": {"dir": dep.model_dir, "name": dep.model_name}, "deployment": {"topology": "cpd"},
+               "router": {"workers": [_entry(w["worker_id"], w["role"], w["port"], w["events_port"])
+                                      for w in dep.workers]
+                          + [_entry("pbad", "prefill", *ports["pbad"]), _entry("dsmall", "decode", *ports["dsmall"])],
+                          "served": {"namespace": w0["namespace"], "max_model_len": w0["max_model_len"],
+                                     "kv_bytes_per_token": w0["kv_bytes_per_token"]},
+                          "host": "127.0.0.1", "port": port, "max_request_body_bytes": 1 << 20}}
         (tmp / "router.json").write_text(json.dumps(cfg))
         router = Proc(["-m", "cpd.router.main", "--config", str(tmp / "router.json")], tmp / "router.log")
         procs.append(router)

@@ -18,11 +18,13 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from cpd.auth import client_auth
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
 from cpd.policy.routing import LinearCostModel, RoutingConfig
-from cpd.router import compat
-from cpd.router.dispatch import CPDBackend
+from cpd.router import compat, registration
+from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend
+from cpd.router.dispatch import CPDBackend, DispatchTimeouts
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
@@ -40,7 +42,13 @@ class Router:
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
                  max_in_flight: int = 256, max_decode_per_worker: int = 64,
-                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
+                 open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
+                 timeouts: DispatchTimeouts | None = None):
+        self.timeouts = timeouts  # router->worker call bounds; None = defaults / CPD_DISPATCH_TIMEOUTS
+        self.api_keys = api_keys or ApiKeys({})  # client keys -> tenants (cpd.router.api_keys)
+        self.open_paths = tuple(open_paths)
+        self.internal_secret = internal_secret  # signs calls to workers (cpd.auth)
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
@@ -145,7 +153,8 @@ class Router:
             # Idle connections expire here (2 s) well before the workers close them (30 s), so a
             # request never races a server-side keep-alive close.
             router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
-                                                                  keepalive_expiry=2.0))
+                                                                  keepalive_expiry=2.0),
+                                              auth=client_auth(router.internal_secret))
             router.backend.client = router.client
             router.subscriber = EventSubscriber(router._on_batch)
             for w in router.workers.by_id.values():
@@ -164,8 +173,8 @@ class Router:
 
         self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates, self.metrics,
                                   client=None, max_in_flight=self.max_in_flight,
-                                  max_decode_per_worker=self.max_decode_per_worker)
-        app = create_app(self.backend, self.tokenizer_dir, self.model_name, self.max_model_len,
+                                  max_decode_per_worker=self.max_decode_per_worker, timeouts=self.timeouts)
+        app = create_app(TenantScopedBackend(self.backend), self.tokenizer_dir, self.model_name, self.max_model_len,
                          max_request_body_bytes=self.max_request_body_bytes)
         app.router.lifespan_context = lifespan
 
@@ -191,6 +200,8 @@ class Router:
             return router.index.sizes()
 
         _replace_health(app, router)
+        registration.install(app, router, router.internal_secret)  # POST /cpd/register (cpd worker --router)
+        app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, open_paths=self.open_paths)
         return app
 
 

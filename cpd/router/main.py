@@ -1,57 +1,83 @@
-"""Entry point of the router process: ``python -m cpd.router.main --config router.json``.
+"""Entry point of the router process: ``python -m cpd.router.main --config FILE [--set KEY=VALUE]``.
 
-The config (written by :mod:`cpd.deploy`, or by hand) lists workers, the KV namespace they
-reported, ``max_model_len``, the tokenizer directory, topology and listen address; optional:
-``max_request_body_bytes`` (default 16 MiB; larger bodies get 413). Workers whose namespace
-or context differs from the config's are refused at run time (:mod:`cpd.router.compat`), not
-at startup: the router starts and serves with the compatible ones.
+The config file is the deployment's configuration tree (:mod:`cpd.config`; :mod:`cpd.deploy`
+writes it, or write it by hand): ``[router]`` gives the listen address, routing and admission
+settings, the call bounds (``[router.timeouts]``; the ``CPD_DISPATCH_TIMEOUTS`` environment
+variable, a JSON object, still overrides them), the ``workers`` to route to and ``served``: the
+KV namespace, ``max_model_len`` and ``kv_bytes_per_token`` the workers reported. ``[model]``
+gives the tokenizer directory and served model id, ``[deployment] topology`` the pools.
+Workers whose namespace or context differs from ``served`` are refused at run time
+(:mod:`cpd.router.compat`), not at startup: the router starts and serves with the compatible ones.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 
 import uvicorn
+from fastapi import FastAPI
 
+from cpd.config import Config, ConfigError, build_config, parse_assignments
 from cpd.kv.block_hash import Namespace
+from cpd.router.api_keys import ApiKeys
 from cpd.router.app import Router
-from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+from cpd.router.dispatch import DispatchTimeouts
 from cpd.router.workers import WorkerInfo
 
 
-def build_router(cfg: dict) -> Router:
-    workers = [WorkerInfo(w["worker_id"], w["role"], w["url"], w["events_endpoint"]) for w in cfg["workers"]]
-    return Router(workers, Namespace(**cfg["namespace"]), cfg["tokenizer_dir"], cfg["model_name"],
-                  cfg["max_model_len"], cfg["kv_bytes_per_token"], topology=cfg.get("topology", "cpd"),
-                  cold_threshold=cfg.get("cold_threshold", 0.5), max_in_flight=cfg.get("max_in_flight", 256),
-                  max_decode_per_worker=cfg.get("max_decode_per_worker", 64),
-                  max_request_body_bytes=cfg.get("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES))
+def build_router(cfg: Config) -> Router:
+    """The router of a configuration.
+
+    Raises:
+        ConfigError: ``router.served`` or ``router.workers`` missing, or no model directory."""
+    r = cfg.router
+    if r.served is None or not cfg.model.dir:
+        raise ConfigError("the router needs router.served (namespace, max_model_len, kv_bytes_per_token: "
+                          "what the workers report in their READY line and GET /info) and model.dir "
+                          "(the tokenizer); cpd serve writes them, see cpd.deploy; router.workers may be "
+                          "empty when workers register (cpd worker --router URL)")
+    workers = [WorkerInfo(w.worker_id, w.role, w.url, w.events_endpoint) for w in r.workers]
+    timeouts = DispatchTimeouts.from_env() if os.environ.get("CPD_DISPATCH_TIMEOUTS") else r.timeouts
+    model_name = cfg.model.name or os.path.basename(os.path.normpath(cfg.model.dir))
+    try:
+        api_keys = ApiKeys.build(cfg.auth.api_keys, cfg.auth.api_key_files)
+        secret = cfg.auth.secret()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"auth: {e}") from None
+    return Router(workers, Namespace(**r.served.namespace), cfg.model.dir, model_name, r.served.max_model_len,
+                  r.served.kv_bytes_per_token, topology=cfg.deployment.topology, cold_threshold=r.cold_threshold,
+                  max_in_flight=r.max_in_flight, max_decode_per_worker=r.decode_slots(cfg.engine.max_num_seqs),
+                  max_request_body_bytes=r.max_request_body_bytes, api_keys=api_keys,
+                  open_paths=tuple(cfg.auth.open_paths), internal_secret=secret, timeouts=timeouts)
 
 
-def _serve_supervisor_status(app, router: Router, status_path: str) -> None:
+def _serve_supervisor_status(app: FastAPI, router: Router, status_path: str) -> None:
     """``GET /cpd/processes``: the launcher's supervisor status (pid, alive, ready, restarts per
     process); the same figures are metrics (``cpd_process_restarts_total``, ``cpd_process_up``)."""
     from cpd.supervise import read_status
     router.metrics.watch_supervisor(status_path)
 
     @app.get("/cpd/processes")
-    async def processes():
+    async def processes() -> dict:
         return read_status(status_path).get("processes", {})
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="cpd router")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, help="config file (.toml, .yaml, .json); see cpd config show")
+    p.add_argument("--set", dest="set_", action="append", default=[], metavar="SECTION.KEY=VALUE")
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
-    cfg = json.loads(open(a.config).read())
-    router = build_router(cfg)
+    try:
+        cfg = build_config(a.config, parse_assignments(a.set_))
+        router = build_router(cfg)
+    except ConfigError as e:
+        p.error(str(e))
     app = router.app()
-    if cfg.get("supervisor_status"):
-        _serve_supervisor_status(app, router, cfg["supervisor_status"])
-    uvicorn.run(app, host=cfg["host"], port=cfg["port"], log_level="warning", access_log=False)
+    if cfg.router.supervisor_status:
+        _serve_supervisor_status(app, router, cfg.router.supervisor_status)
+    uvicorn.run(app, host=cfg.router.host, port=cfg.router.port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

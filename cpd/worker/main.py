@@ -1,6 +1,8 @@
-"""Entry point of one worker process: ``python -m cpd.worker.main --role ROLE ...``.
+"""Entry point of one worker process: ``python -m cpd.worker.main --role ROLE --worker-id ID
+--port P --events-port E [--config FILE] [flags]``.
 
-Started by ``cpd serve`` (one process per worker). Prints ``READY <json>`` on stdout
+Started by ``cpd serve`` (one process per worker, all reading the deployment's one config
+file, :mod:`cpd.config`). Prints ``READY <json>`` on stdout
 once the engine is loaded and the HTTP server listens.
 """
 from __future__ import annotations
@@ -10,8 +12,11 @@ import json
 import logging
 import os
 import socket
+from dataclasses import dataclass
 
 import uvicorn
+
+from cpd.config import FLAGS, Config, ConfigError, Flag, build_config, field_info, parse_assignments
 
 from cpd.worker.runtime import EngineRunner
 from cpd.worker.server import WorkerState, build_app, worker_info
@@ -19,91 +24,165 @@ from cpd.worker.server import WorkerState, build_app, worker_info
 log = logging.getLogger("cpd.worker")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What only this process has: its role, id and listen addresses (not configuration)."""
+
+    role: str
+    worker_id: str
+    host: str
+    port: int
+    events_port: int
+    router_url: str = ""  # register with this router (cpd.worker.registration); "" = static list
+    advertise_host: str = ""  # address others reach this worker at ("" = host)
+
+    @property
+    def reach_host(self) -> str:
+        return self.advertise_host or self.host
+
+    def registration(self) -> dict:
+        """What this worker registers with its router."""
+        return {"worker_id": self.worker_id, "role": self.role, "url": f"http://{self.reach_host}:{self.port}",
+                "events_endpoint": f"tcp://{self.reach_host}:{self.events_port}"}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[WorkerIdentity, Config]:
+    """Identity flags, then the configuration: ``--config FILE``, ``--set KEY=VALUE`` and the
+    engine/KV/handoff flags of :data:`cpd.config.FLAGS` (unset flags leave the file's value).
+
+    Exits with status 2 and a message naming the key on an invalid configuration."""
     p = argparse.ArgumentParser(description="cpd worker process")
     p.add_argument("--role", required=True, choices=["pre-prefill", "prefill", "decode"])
     p.add_argument("--worker-id", required=True)
-    p.add_argument("--model", required=True, help="HF Llama-family model directory")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="listen address of this worker")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events-port", type=int, required=True)
-    p.add_argument("--kv-store", default="", help="L3 store URL (file://DIR or redis://HOST:PORT); empty = none")
-    p.add_argument("--l3-chunk-blocks", type=int, default=0,
-                   help="blocks per L3 value; 0 = the URL's chunk_blocks or 1 (processes sharing a store must agree)")
-    p.add_argument("--l3-capacity-bytes", default="",
-                   help="L3 store capacity (bytes, or 512M/2G; 0 = unlimited); empty = the URL's "
-                        "capacity_bytes, else a default sized from the machine (cpd.store.capacity)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="L1 KV blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--host-kv-bytes", type=int, default=256 << 20, help="L2 host pool size in bytes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-prefill-chunk-tokens", type=int, default=512)
-    p.add_argument("--handoff-arena-bytes", type=int, default=256 << 20)
-    p.add_argument("--handoff-reclaim-after-s", type=float, default=120.0,
-                   help="prefill side: free a handoff staging nobody released after this many seconds")
-    p.add_argument("--handoff-force-tcp", action="store_true",
-                   help="decode side: fetch KV over TCP even from a same-host sender (the cross-host path)")
-    p.add_argument("--torch-threads", type=int, default=0, help="0 = torch default")
-    return p.parse_args(argv)
+    p.add_argument("--router", default="", help="router URL to register with (re-registers periodically)")
+    p.add_argument("--advertise-host", default="", help="address the router and decode workers reach this "
+                                                         "worker at (default: --host)")
+    p.add_argument("--config", default=None, help="config file (.toml, .yaml, .json); see cpd config show")
+    p.add_argument("--set", dest="set_", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    for f in FLAGS:
+        if f.worker:
+            _add_flag(p, f)
+    a = p.parse_args(argv)
+    overrides = {f.key: getattr(a, _dest(f.key)) for f in FLAGS if f.worker}
+    try:
+        overrides.update(parse_assignments(a.set_))
+        cfg = build_config(a.config, overrides)
+    except ConfigError as e:
+        p.error(str(e))
+    if not cfg.model.dir:
+        p.error("model.dir is empty: pass --model DIR or set [model] dir in the config file")
+    return WorkerIdentity(a.role, a.worker_id, a.host, a.port, a.events_port, a.router, a.advertise_host), cfg
 
 
-def build_state(a: argparse.Namespace) -> WorkerState:
-    import torch
+def _dest(key: str) -> str:
+    return "cfg__" + key.replace(".", "__")
 
+
+def _add_flag(p: argparse.ArgumentParser, f: Flag) -> None:
+    help_text = f"{field_info(f.key)[1]} (key {f.key})".replace("%", "%%")
+    if field_info(f.key)[0] is bool:
+        p.add_argument(*f.names, dest=_dest(f.key), action="store_const", const=True, default=None, help=help_text)
+    else:
+        p.add_argument(*f.names, dest=_dest(f.key), default=None, metavar="VALUE", help=help_text)
+
+
+def _executor(cfg: Config):
+    """The modeled executor (never imports torch), or None for the torch one (torch threads set)."""
+    e = cfg.engine
+    if e.executor == "modeled":
+        from cpd.engine.executor_modeled import build_modeled_executor
+        return build_modeled_executor(e.model_shape, e.hardware, e.tp, time_dilation=e.time_dilation,
+                                      payload_fraction=e.kv_payload_fraction, served_model_dir=cfg.model.dir)
+    if e.torch_threads:
+        import torch
+        torch.set_num_threads(e.torch_threads)
+    return None
+
+
+def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     from cpd.engine.engine import Engine
     from cpd.engine.faults import FaultPlan
     from cpd.engine.scheduler import SchedulerConfig
     from cpd.kv.event_bus import EventPublisher
 
-    if a.torch_threads:
-        torch.set_num_threads(a.torch_threads)
-    publisher = EventPublisher(f"tcp://{a.host}:{a.events_port}")
-    connector = None
-    if a.kv_store and a.role != "decode":
-        from cpd.store import open_store
-        from cpd.store.connector import L3Connector
-        from cpd.store import parse_size
-        cap = parse_size(a.l3_capacity_bytes) if a.l3_capacity_bytes else None
-        connector = L3Connector(open_store(a.kv_store, chunk_blocks=a.l3_chunk_blocks or None, capacity_bytes=cap),
-                                event_sink=publisher.emit)
-    sched = SchedulerConfig(max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-                            max_prefill_chunk_tokens=a.max_prefill_chunk_tokens, block_size=a.block_size)
-    engine = Engine(a.model, num_blocks=a.num_blocks, block_size=a.block_size, host_kv_bytes=a.host_kv_bytes,
-                    scheduler_config=sched, connector=connector, event_sink=publisher.emit,
+    executor = _executor(cfg)
+    publisher = EventPublisher(f"tcp://{me.host}:{me.events_port}")
+    connector = _l3_connector(me, cfg, publisher)
+    e = cfg.engine
+    sched = SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
+                            max_prefill_chunk_tokens=e.max_prefill_chunk_tokens, block_size=e.block_size)
+    engine = Engine(cfg.model.dir, num_blocks=e.num_blocks, block_size=e.block_size,
+                    host_kv_bytes=cfg.kv.host_kv_bytes, scheduler_config=sched, connector=connector,
+                    event_sink=publisher.emit, executor=executor,
                     faults=FaultPlan.from_env())  # test-only CPD_FAULT_* variables; none in production
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
-    if a.role == "decode":
-        receiver = HandoffReceiver(force_tcp=a.handoff_force_tcp)
+    if me.role == "decode":
+        receiver = HandoffReceiver(force_tcp=cfg.handoff.force_tcp, secret=cfg.auth.secret())
     else:
-        sender = HandoffSender(arena_bytes=a.handoff_arena_bytes, bind_host=a.host,
-                               reclaim_after_s=a.handoff_reclaim_after_s)
+        sender = HandoffSender(arena_bytes=cfg.handoff.arena_bytes, bind_host=me.host,
+                               advertise_host=me.advertise_host or None,
+                               reclaim_after_s=cfg.handoff.reclaim_after_s, secret=cfg.auth.secret())
     runner = EngineRunner(engine, publisher)
-    return WorkerState(a.role, a.worker_id, engine, runner, sender, receiver, publisher, connector)
+    return WorkerState(me.role, me.worker_id, engine, runner, sender, receiver, publisher, connector)
 
 
-def _model_name(model_dir: str) -> str:
-    """Served model id: ``name_or_path`` style name from the directory (last path part)."""
-    return os.path.basename(os.path.normpath(model_dir))
+def _l3_connector(me: WorkerIdentity, cfg: Config, publisher):
+    """The L3 connector of a prefill-side worker with a store; None otherwise."""
+    if not cfg.kv.l3_url or me.role == "decode":
+        return None
+    from cpd.store import open_store
+    from cpd.store.connector import L3Connector
+    store = open_store(cfg.kv.l3_url, chunk_blocks=cfg.kv.l3_chunk_blocks or None,
+                       capacity_bytes=cfg.kv.l3_capacity_bytes)
+    return L3Connector(store, event_sink=publisher.emit)
 
 
-def main(argv=None) -> None:
-    a = parse_args(argv)
+def secure_app(app, st: WorkerState, auth):
+    """With an internal secret (``auth.internal_secret_file`` or ``$CPD_INTERNAL_SECRET``): every
+    endpoint but ``/health`` needs a signed request (401/403 otherwise, :mod:`cpd.auth`), and this
+    worker signs its own calls (handoff release at the sender)."""
+    secret = auth.secret()
+    if secret:
+        import httpx
+
+        from cpd.auth import SignedRequestMiddleware, client_auth
+        st.http = httpx.AsyncClient(timeout=10.0, auth=client_auth(secret))
+        app.add_middleware(SignedRequestMiddleware, secret=secret, open_paths=("/health",),
+                           max_skew_s=auth.max_skew_s)
+    return app
+
+
+def _model_name(cfg: Config) -> str:
+    """Served model id: ``model.name``, else the directory's last path part."""
+    return cfg.model.name or os.path.basename(os.path.normpath(cfg.model.dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    me, cfg = parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
-    st = build_state(a)
-    app = build_app(st)
+    st = build_state(me, cfg)
+    app = secure_app(build_app(st), st, cfg.auth)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((a.host, a.port))
+    sock.bind((me.host, me.port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
     server = uvicorn.Server(config)
-    st.model_name = _model_name(a.model)
-    ready = {**worker_info(st), "port": a.port, "events_port": a.events_port}
+    st.model_name = _model_name(cfg)
+    ready = {**worker_info(st), "port": me.port, "events_port": me.events_port}
     print("READY " + json.dumps(ready), flush=True)
+    registrar = None
+    if me.router_url:
+        from cpd.worker.registration import Registrar
+        registrar = Registrar(me.router_url, me.registration(), cfg.auth.secret()).start()
     try:
         server.run(sockets=[sock])
     finally:
+        if registrar is not None:
+            registrar.close()
         st.runner.close()
         if st.connector is not None and hasattr(st.connector, "close"):
             st.connector.close()

@@ -1,0 +1,417 @@
+"""One configuration tree for every process cpd starts (``cpd serve``, the worker, the router).
+
+The tree (:class:`Config`) has one section per concern, each key with its ONE default:
+
+* ``model`` — which weights and tokenizer, and the served model id;
+* ``engine`` — L1 pool size, block size, scheduler budgets, torch threads;
+* ``kv`` — L2 host pool size and the L3 store (URL, chunking, capacity);
+* ``handoff`` — the prefill→decode KV handoff (staging arena, reclaim time, TCP only);
+* ``router`` — listen address, routing (cold threshold), admission bounds, request body limit,
+  the router→worker call bounds (:class:`cpd.router.dispatch.DispatchTimeouts`), and the
+  worker list plus what the workers reported (written by the launcher);
+* ``deployment`` — topology, pool sizes, logs, supervision of the children;
+* ``auth`` — client API keys and the router/worker shared secret (:class:`cpd.auth.AuthSection`).
+
+Sources, later ones win: the defaults below, a file (``.toml``, ``.yaml``/``.yml`` or
+``.json``, with the same sections), then overrides from the command line — named flags
+(:data:`FLAGS`, e.g. ``--num-blocks``) and ``--set section.key=value``. :func:`build_config`
+is the one function every entry point calls. Errors (:class:`ConfigError`) name the key, what
+was wrong and how to fix it; unknown keys are errors (with the closest known key).
+
+``cpd config show [--config FILE] [flags]`` prints the effective tree; the launcher writes
+it to a file that every child process reads (``--config``), so all processes of a
+deployment agree on every setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from cpd.auth import AuthSection
+from cpd.auth import AuthSection
+from cpd.router.dispatch import DispatchTimeouts
+
+Role = Literal["pre-prefill", "prefill", "decode"]
+Topology = Literal["cpd", "pd"]
+
+
+def _parse_bytes(v: object) -> object:
+    """``"512M"``/``"1.5G"``/``"64KiB"`` -> bytes; anything else is left to the int check."""
+    if isinstance(v, str) and v.strip():
+        from cpd.store.sizes import parse_size
+        try:
+            return parse_size(v)
+        except ValueError:
+            return v
+    return v
+
+
+ByteCount = Annotated[int, BeforeValidator(_parse_bytes), Field(ge=0)]
+"""A size in bytes; files and flags may write ``512M``, ``2G``, ``64KiB``."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    dir: str = Field("", description="HF Llama-family model directory (weights + tokenizer); empty = "
+                                     "SmolLM2-135M-Instruct, converted once under ~/.cache/cpd/models")
+    name: str = Field("", description="served model id; empty = the directory's last part")
+
+
+class EngineSection(Section):
+    num_blocks: int = Field(1024, ge=1, description="L1 KV blocks per worker")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    max_num_batched_tokens: int = Field(512, ge=1, description="engine token budget per step")
+    max_num_seqs: int = Field(32, ge=1, description="running requests per worker")
+    max_prefill_chunk_tokens: int = Field(512, ge=1, description="prompt tokens of one request per step")
+    torch_threads: int = Field(0, ge=0, description="torch threads per worker (0 = cores / workers under "
+                                                    "cpd serve, torch's default for a lone worker)")
+    executor: Literal["torch", "modeled"] = Field(
+        "torch", description="torch: real model math; modeled: the cost model's step times and pseudo tokens, "
+                             "no torch (cpd.engine.executor_modeled)")
+    hardware: str = Field("b200", description="modeled executor: GPU type of the cost model (cpd.costmodel.hardware)")
+    model_shape: str = Field("llama-3.1-8b", description="modeled executor: model shape (shipped name, any case, "
+                                                         "or a config.json path)")
+    tp: int = Field(1, ge=1, description="modeled executor: GPUs per instance (tensor parallelism)")
+    time_dilation: float = Field(1.0, gt=0, description="modeled executor: run K times slower than the modeled "
+                                                        "hardware (bench divides times by K)")
+    kv_payload_fraction: float = Field(1 / 8192, gt=0, le=1, description="modeled executor: KV bytes held per "
+                                                                         "modeled KV byte")
+
+
+class KVSection(Section):
+    host_kv_bytes: ByteCount = Field(256 << 20, description="L2 host KV pool bytes per worker")
+    l3_url: str = Field("", description="L3 store: file:///dev/shm/DIR, redis://HOST:PORT or "
+                                        "redis+cluster://HOST:PORT,...; empty = a fresh file:// dir per "
+                                        "deployment (a worker started alone: no L3)")
+    l3_chunk_blocks: int = Field(0, ge=0, description="blocks per L3 store value (0 = the URL's chunk_blocks, "
+                                                      "else 1); every process sharing a store must agree")
+    l3_capacity_bytes: Optional[ByteCount] = Field(
+        None, description="L3 store capacity, e.g. 8G (0 = unlimited); unset = the URL's capacity_bytes, "
+                          "else sized from the machine (cpd.store.capacity)")
+
+
+class HandoffSection(Section):
+    arena_bytes: ByteCount = Field(256 << 20, description="prefill side: shared-memory staging arena bytes")
+    reclaim_after_s: float = Field(120.0, gt=0, description="prefill side: free a staging nobody released "
+                                                            "after this many seconds")
+    force_tcp: bool = Field(False, description="decode side: fetch KV over TCP even from a same-host sender "
+                                               "(the cross-host path)")
+
+
+class WorkerEndpoint(Section):
+    """Where the router reaches one worker."""
+
+    worker_id: str
+    role: Role
+    url: str = Field(description="internal HTTP API, e.g. http://10.0.0.5:9001")
+    events_endpoint: str = Field(description="KV event publisher, e.g. tcp://10.0.0.5:9002")
+
+
+class ServedModel(Section):
+    """What the workers reported (the launcher writes it): the router hashes blocks in this KV
+    namespace and refuses workers that report another one or a smaller context."""
+
+    namespace: dict[str, Any]
+    max_model_len: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1)
+
+
+class RouterSection(Section):
+    host: str = Field("127.0.0.1", description="listen address of the router (and, under cpd serve, of "
+                                               "the workers)")
+    port: int = Field(8000, ge=0, le=65535, description="router port (0 = a free port)")
+    cold_threshold: float = Field(0.5, ge=0.0, le=1.0, description="reuse ratio below which a request is cold")
+    max_in_flight: int = Field(256, ge=1, description="requests in flight; beyond it 429")
+    max_decode_per_worker: int = Field(0, ge=0, description="requests per decode worker "
+                                                            "(0 = 2 x engine.max_num_seqs)")
+    max_request_body_bytes: ByteCount = Field(16 << 20, description="larger request bodies get 413")
+    timeouts: DispatchTimeouts = Field(default_factory=DispatchTimeouts,
+                                       description="bounds of every router->worker call (seconds)")
+    workers: list[WorkerEndpoint] = Field(default_factory=list, description="the workers to route to")
+    served: Optional[ServedModel] = Field(None, description="what the workers reported (KV namespace, "
+                                                            "context); written by the launcher")
+    supervisor_status: str = Field("", description="the launcher's supervisor status file (served at "
+                                                   "/cpd/processes); empty = none")
+
+    def decode_slots(self, max_num_seqs: int) -> int:
+        """Requests per decode worker (``max_decode_per_worker``, 0 = twice ``max_num_seqs``)."""
+        return self.max_decode_per_worker or 2 * max_num_seqs
+
+
+class DeploymentSection(Section):
+    topology: Topology = Field("cpd", description="cpd (pre-prefill + prefill + decode) or pd (prefill + decode)")
+    num_pre_prefill: Optional[int] = Field(None, ge=0, description="pre-prefill workers (cpd: 1; pd: none)")
+    num_prefill: Optional[int] = Field(None, ge=1, description="prefill workers (cpd: 1, pd: 2)")
+    num_decode: int = Field(1, ge=1, description="decode workers")
+    log_dir: str = Field("", description="where worker/router logs go (empty = a temp dir)")
+    supervise: bool = Field(True, description="restart a child that exits (same command line and ports)")
+    restart_backoff_s: float = Field(1.0, gt=0, description="first restart delay; doubles per consecutive "
+                                                            "quick exit")
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="cap of the restart delay")
+    restart_stable_s: float = Field(60.0, gt=0, description="an exit after this much uptime starts the "
+                                                            "backoff over")
+    restart_ready_timeout_s: float = Field(300.0, gt=0, description="a restarted child must be ready "
+                                                                    "within this")
+
+    @model_validator(mode="after")
+    def _pd_has_no_pre_prefill(self) -> "DeploymentSection":
+        if self.topology == "pd" and self.num_pre_prefill:
+            raise ValueError("topology pd has no pre-prefill pool: set deployment.num_pre_prefill = 0 "
+                             "(or leave it unset), or use topology cpd")
+        return self
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Workers per role, with the topology's defaults for unset sizes."""
+        cpd = self.topology == "cpd"
+        pre = self.num_pre_prefill if self.num_pre_prefill is not None else 1
+        return {"pre-prefill": pre if cpd else 0,
+                "prefill": self.num_prefill if self.num_prefill is not None else (1 if cpd else 2),
+                "decode": self.num_decode}
+
+    def roles(self) -> list[str]:
+        """One entry per worker, in start order."""
+        return [role for role, n in self.pool_sizes().items() for _ in range(n)]
+
+
+class Config(Section):
+    """The whole configuration of a deployment (see the module docstring)."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    kv: KVSection = Field(default_factory=KVSection)
+    handoff: HandoffSection = Field(default_factory=HandoffSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    deployment: DeploymentSection = Field(default_factory=DeploymentSection)
+    auth: AuthSection = Field(default_factory=AuthSection)
+    auth: AuthSection = Field(default_factory=AuthSection)  # client keys, tenants, internal secret (cpd.auth)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad key and the fix."""
+
+
+# ---- command-line flags ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag that overrides one key. ``worker``: the worker process accepts it
+    too (the engine/KV/handoff settings); every flag is accepted by ``cpd serve``."""
+
+    key: str
+    names: tuple[str, ...]
+    worker: bool = False
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("model.dir", ("--model",), worker=True),
+    Flag("model.name", ("--model-name",)),
+    Flag("engine.num_blocks", ("--num-blocks",), worker=True),
+    Flag("engine.block_size", ("--block-size",), worker=True),
+    Flag("engine.max_num_batched_tokens", ("--max-num-batched-tokens",), worker=True),
+    Flag("engine.max_num_seqs", ("--max-num-seqs",), worker=True),
+    Flag("engine.max_prefill_chunk_tokens", ("--max-prefill-chunk-tokens",), worker=True),
+    Flag("engine.torch_threads", ("--torch-threads",), worker=True),
+    Flag("engine.executor", ("--executor",), worker=True),
+    Flag("engine.hardware", ("--hardware",), worker=True),
+    Flag("engine.model_shape", ("--model-shape",), worker=True),
+    Flag("engine.tp", ("--tp",), worker=True),
+    Flag("engine.time_dilation", ("--time-dilation",), worker=True),
+    Flag("engine.kv_payload_fraction", ("--kv-payload-fraction",), worker=True),
+    Flag("kv.host_kv_bytes", ("--host-kv-bytes",), worker=True),
+    Flag("kv.l3_url", ("--kv-store",), worker=True),
+    Flag("kv.l3_chunk_blocks", ("--l3-chunk-blocks",), worker=True),
+    Flag("kv.l3_capacity_bytes", ("--l3-capacity-bytes", "--l3-capacity"), worker=True),
+    Flag("handoff.arena_bytes", ("--handoff-arena-bytes",), worker=True),
+    Flag("handoff.reclaim_after_s", ("--handoff-reclaim-after-s",), worker=True),
+    Flag("handoff.force_tcp", ("--handoff-force-tcp",), worker=True),
+    Flag("router.host", ("--host",)),
+    Flag("router.port", ("--port",)),
+    Flag("router.cold_threshold", ("--cold-threshold",)),
+    Flag("router.max_in_flight", ("--max-in-flight",)),
+    Flag("deployment.topology", ("--topology",)),
+    Flag("deployment.num_pre_prefill", ("--pre-prefill",)),
+    Flag("deployment.num_prefill", ("--prefill",)),
+    Flag("deployment.num_decode", ("--decode",)),
+    Flag("deployment.log_dir", ("--log-dir",)),
+    Flag("deployment.restart_backoff_s", ("--restart-backoff-s",)),
+    Flag("deployment.restart_backoff_max_s", ("--restart-backoff-max-s",)),
+)
+
+
+def field_info(key: str) -> tuple[Any, str]:
+    """``(annotation, description)`` of a dotted key such as ``engine.num_blocks``."""
+    section, _, name = key.partition(".")
+    sec_type = Config.model_fields[section].annotation
+    f = sec_type.model_fields[name]  # type: ignore[union-attr]
+    return f.annotation, f.description or ""
+
+
+def flag_for(key: str) -> str | None:
+    """The first command-line flag that sets ``key`` (for error messages)."""
+    return next((f.names[0] for f in FLAGS if f.key == key), None)
+
+
+# ---- loading -----------------------------------------------------------------------------
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Raw tree from a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file.
+
+    Raises:
+        ConfigError: missing file, unknown suffix, or a syntax error (with the file's message).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {p}: {e.strerror or e}") from None
+    try:
+        data = _parse_text(text, p.suffix.lower())
+    except ConfigError as e:
+        raise ConfigError(f"config file {p}: {e}") from None
+    except ValueError as e:  # tomllib / json / yaml syntax errors
+        raise ConfigError(f"config file {p}: not valid {p.suffix.lstrip('.')}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: expected a table of sections (model, engine, ...) at the top")
+    return data
+
+
+def _parse_text(text: str, suffix: str) -> Any:
+    if suffix == ".toml":
+        return tomllib.loads(text)
+    if suffix == ".json":
+        return json.loads(text)
+    if suffix in (".yaml", ".yml"):
+        import yaml
+        try:
+            return yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(str(e)) from None
+    raise ConfigError(f"unknown config format {suffix!r}: use .toml, .yaml/.yml or .json")
+
+
+def parse_assignments(items: list[str]) -> dict[str, Any]:
+    """``["engine.num_blocks=2048", "kv.l3_url=redis://h:6379"]`` -> ``{key: value}``. Values
+    are read as JSON when they parse (numbers, true/false, lists, objects), else as strings.
+
+    Raises:
+        ConfigError: an item without ``=``.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE, e.g. engine.num_blocks=2048")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
+
+
+def _merge(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in a nested dict, creating tables on the way."""
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {} if child is None else _as_dict(child, key)
+        node = child
+    node[leaf] = value
+
+
+def _as_dict(value: Any, key: str) -> dict[str, Any]:
+    raise ConfigError(f"{key}: {key.rsplit('.', 1)[0]} is a value, not a section ({value!r})")
+
+
+def build_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """The effective configuration: defaults, then the file at ``path`` (if any), then
+    ``overrides`` (dotted keys -> values; ``None`` values are ignored, so unset flags can be
+    passed as they are).
+
+    Raises:
+        ConfigError: unreadable file or invalid values; the message names every bad key.
+    """
+    tree = load_file(path) if path else {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _merge(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, path)) from None
+
+
+def _explain(err: ValidationError, path: str | Path | None) -> str:
+    """One line per error: the key, what was wrong, the value given, and where to fix it."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        lines.append(_explain_one(key, e, path))
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _explain_one(key: str, e: Mapping[str, Any], path: str | Path | None) -> str:
+    if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"  {key}: unknown key{_did_you_mean(key)}; remove it"
+    msg = str(e["msg"]).removeprefix("Value error, ")
+    if "." not in key:  # a rule over several keys of one section: the message says the fix
+        return f"  {key}: {msg}"
+    where = f"[{key.split('.')[0]}] in {path}" if path else "a config file"
+    flag = flag_for(key)
+    fix = f"set it in {where}" + (f" or with {flag}" if flag else "") + f" or --set {key}=VALUE"
+    got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+    return f"  {key}: {msg}{got}; {fix}"
+
+
+def _did_you_mean(key: str) -> str:
+    """`` (did you mean engine.num_blocks?)`` for a misspelt key, else ``""``."""
+    *parents, leaf = key.split(".")
+    node: Any = Config
+    for part in parents:
+        node = _child_names(node).get(part)
+    close = difflib.get_close_matches(leaf, list(_child_names(node)), n=1)
+    return f" (did you mean {'.'.join([*parents, close[0]])}?)" if close else ""
+
+
+def _child_names(node: Any) -> dict[str, Any]:
+    """Key -> type of the keys below a section type (pydantic model or dataclass)."""
+    if hasattr(node, "model_fields"):
+        return {n: f.annotation for n, f in node.model_fields.items()}
+    if dataclasses.is_dataclass(node):
+        return {f.name: f.type for f in dataclasses.fields(node)}
+    return {}
+
+
+# ---- output ------------------------------------------------------------------------------
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain data (unset optional keys left out, so the result is valid TOML and loads back)."""
+    return cfg.model_dump(mode="json", exclude_none=True)
+
+
+def dump(cfg: Config, fmt: Literal["toml", "json", "yaml"] = "toml") -> str:
+    """The tree as TOML, JSON or YAML text; :func:`build_config` reads each back unchanged."""
+    data = to_dict(cfg)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    if fmt == "yaml":
+        import yaml
+        return yaml.safe_dump(data, sort_keys=False)
+    import tomli_w
+    return tomli_w.dumps(data)
+
+
+def write(cfg: Config, path: str | Path) -> Path:
+    """Write the tree to ``path`` in the format its suffix names (``.toml``, ``.json``, ``.yaml``)."""
+    p = Path(path)
+    fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(p.suffix.lower(), "toml")
+    p.write_text(dump(cfg, fmt))  # type: ignore[arg-type]
+    return p
