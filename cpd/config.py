@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional
@@ -35,7 +35,17 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from cpd.auth import AuthSection
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from cpd.auth import AuthSection
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from cpd.router.dispatch import DispatchTimeouts
 
 Role = Literal["pre-prefill", "prefill", "decode"]
