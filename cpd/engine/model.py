@@ -290,14 +290,25 @@ class DecoderLayer(nn.Module):
 
     def _attend_per_seq(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         seqs: list[tuple[int, int, torch.Tensor]], T: int | None = None) -> torch.Tensor:
-        """Each sequence on its own (gather + SDPA); with ``T``, into a ``[T, nh*d]`` buffer
-        whose rows not covered by ``seqs`` are left for the caller."""
-        outs = []
-        for (qs, n, ctx) in seqs:
+        """Prefill attention on torch's fused SDPA kernels (flash on CPU and CUDA: the inputs
+        are 4-D ``[batch, heads, len, d]`` with grouped KV heads, which is what selects them;
+        3-D inputs fall back to the slow math path). Sequences of equal shape with no cached
+        prefix run as one batch; the others one at a time (a chunk on top of a cached prefix
+        takes a bottom-right causal mask). With ``T``, into a ``[T, nh*d]`` buffer whose rows
+        not covered by ``seqs`` are left for the caller."""
+        outs: list[tuple[int, int, torch.Tensor]] = []
+        rest = []
+        same = [s for s in seqs if s[1] == s[2].shape[0] and s[1] > 1]
+        if len(same) > 1 and all(s[1] == same[0][1] for s in same):
+            outs.extend(self._attend_batch(q, k_cache, v_cache, same))
+            rest = [s for s in seqs if not any(s is t for t in same)]
+        else:
+            rest = seqs
+        for (qs, n, ctx) in rest:
             L = ctx.shape[0]
-            qi = q[qs:qs + n].transpose(0, 1)  # [nh, n, d]
-            ki = k_cache.index_select(0, ctx).transpose(0, 1).to(q.dtype)  # [nkv, L, d]
-            vi = v_cache.index_select(0, ctx).transpose(0, 1).to(q.dtype)
+            qi = q[qs:qs + n].transpose(0, 1)[None]  # [1, nh, n, d]
+            ki = k_cache.index_select(0, ctx).to(q.dtype).transpose(0, 1)[None]  # [1, nkv, L, d]
+            vi = v_cache.index_select(0, ctx).to(q.dtype).transpose(0, 1)[None]
             if n == L:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             elif n == 1:
@@ -306,13 +317,27 @@ class DecoderLayer(nn.Module):
                 prior = L - n
                 mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
-            outs.append(o.transpose(0, 1).reshape(n, self.nh * self.d))
+            outs.append((qs, n, o[0].transpose(0, 1).reshape(n, self.nh * self.d)))
+        if T is None and len(outs) == 1:
+            return outs[0][2]
         if T is None:
-            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            return torch.cat([o for _, _, o in sorted(outs, key=lambda x: x[0])], 0)
         attn = q.new_empty(T, self.nh * self.d)
-        for (qs, n, _), o in zip(seqs, outs):
+        for qs, n, o in outs:
             attn[qs:qs + n] = o
         return attn
+
+    def _attend_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      seqs: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
+        """Equal-length sequences without a cached prefix, as one causal SDPA batch."""
+        S, n = len(seqs), seqs[0][1]
+        ctx = torch.cat([c for _, _, c in seqs])
+        qi = torch.cat([q[qs:qs + n] for qs, _, _ in seqs]).view(S, n, self.nh, self.d).transpose(1, 2)
+        ki = k_cache.index_select(0, ctx).to(q.dtype).view(S, n, self.nkv, self.d).transpose(1, 2)
+        vi = v_cache.index_select(0, ctx).to(q.dtype).view(S, n, self.nkv, self.d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)  # [S, nh, n, d]
+        o = o.transpose(1, 2).reshape(S, n, self.nh * self.d)
+        return [(qs, n, o[i]) for i, (qs, _, _) in enumerate(seqs)]
 
 
 class LlamaModel(nn.Module):
