@@ -40,12 +40,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-from cpd.auth import AuthSection
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 from cpd.router.dispatch import DispatchTimeouts
 
 Role = Literal["pre-prefill", "prefill", "decode"]
@@ -203,7 +197,6 @@ class Config(Section):
     router: RouterSection = Field(default_factory=RouterSection)
     deployment: DeploymentSection = Field(default_factory=DeploymentSection)
     auth: AuthSection = Field(default_factory=AuthSection)
-    auth: AuthSection = Field(default_factory=AuthSection)  # client keys, tenants, internal secret (cpd.auth)
 
 
 class ConfigError(ValueError):
