@@ -72,9 +72,23 @@ def _param_name(key: str) -> str:
     return "opt_" + key.replace(".", "__")
 
 
+API_KEY_HELP = "accepted client key, sent as Authorization: Bearer KEY (repeatable; none = no client auth)"
+API_KEY_FILE_HELP = "file of 'KEY [TENANT]' lines (repeatable); a key's tenant isolates its KV cache"
+
+
+def _add_api_keys(cfg: Any, keys: Optional[list[str]], key_files: Optional[list[str]]) -> None:
+    """``--api-key`` / ``--api-key-file`` add to the config's ``[auth]`` keys."""
+    if keys:
+        cfg.auth.api_keys = [*cfg.auth.api_keys, *keys]
+    if key_files:
+        cfg.auth.api_key_files = [*cfg.auth.api_key_files, *key_files]
+
+
 @app.command()
 @config_options
-def serve(cfg: Any = None) -> None:
+def serve(cfg: Any = None,
+          api_key: Optional[list[str]] = typer.Option(None, "--api-key", help=API_KEY_HELP),
+          api_key_file: Optional[list[str]] = typer.Option(None, "--api-key-file", help=API_KEY_FILE_HELP)) -> None:
     """Run a CPD (or plain P/D) deployment until Ctrl-C (SIGINT) or SIGTERM.
 
     Every setting comes from the configuration tree (``cpd config show`` prints it): defaults,
@@ -89,6 +103,7 @@ def serve(cfg: Any = None) -> None:
     from cpd.deploy import Deployment
 
     cfg.model.dir = _resolve_model(cfg.model.dir)
+    _add_api_keys(cfg, api_key, api_key_file)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("cpd.deploy").setLevel(logging.INFO)
     stop = {"flag": False, "started": False}
@@ -100,7 +115,7 @@ def serve(cfg: Any = None) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job starts with it ignored
         signal.signal(sig, on_signal)
-    dep = Deployment(cfg)
+    dep = Deployment(cfg, extra_env=_local_secret_env(cfg))
     typer.echo(f"starting {cfg.deployment.topology}: {', '.join(cfg.deployment.roles())} (model {cfg.model.dir})")
     try:
         dep.start()
@@ -115,6 +130,42 @@ def serve(cfg: Any = None) -> None:
         stop["started"] = True  # a second signal while stopping must not interrupt the stop
         dep.stop()
         typer.echo("stopped")
+
+
+def _local_secret_env(cfg: Any) -> dict[str, str]:
+    """Without a configured internal secret, ``cpd serve`` makes a fresh one for its children: its
+    workers then answer only its router (and each other's handoff fetches)."""
+    import os
+
+    from cpd.auth import SECRET_ENV
+    if cfg.auth.internal_secret_file or os.environ.get(SECRET_ENV):
+        return {}
+    return {SECRET_ENV: secrets.token_hex(32)}
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def worker(ctx: typer.Context) -> None:
+    """One engine process: ``cpd worker --role ROLE --router URL [--host IP] [--config FILE] [flags]``.
+
+    It registers with the router at URL (again every few seconds, so either side may restart) and
+    serves the internal API on --host:--port (default 9000; KV events on port+1). The shared
+    secret comes from $CPD_INTERNAL_SECRET or [auth] internal_secret_file. All flags:
+    ``cpd worker --help``."""
+    from cpd.worker.main import main as worker_main
+    worker_main(list(ctx.args))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def router(ctx: typer.Context) -> None:
+    """The front door: ``cpd router --config FILE [--api-key KEY] [--served-from WORKER_URL]``.
+
+    Serves the OpenAI API, keeps the global prefix index and routes to the workers listed in
+    [router] workers and to every worker that registers (``cpd worker --router URL``). All
+    flags: ``cpd router --help``."""
+    from cpd.router.main import main as router_main
+    router_main(list(ctx.args))
 
 
 config_app = typer.Typer(help="The configuration tree shared by every cpd process.", no_args_is_help=True)

@@ -63,14 +63,39 @@ def _serve_supervisor_status(app: FastAPI, router: Router, status_path: str) -> 
         return read_status(status_path).get("processes", {})
 
 
+def _add_standalone_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``cpd router`` (they override the config file)."""
+    p.add_argument("--host", default=None, help="listen address (key router.host)")
+    p.add_argument("--port", type=int, default=None, help="listen port (key router.port)")
+    p.add_argument("--model", default=None, help="model directory: tokenizer and served name (key model.dir)")
+    p.add_argument("--api-key", action="append", default=[], help="accepted client key (repeatable)")
+    p.add_argument("--api-key-file", action="append", default=[], help="file of 'KEY [TENANT]' lines")
+    p.add_argument("--served-from", default="", help="a worker URL to learn the KV namespace from when "
+                                                     "router.served is not set (default: the static workers)")
+
+
+def _standalone_overrides(a: argparse.Namespace) -> dict:
+    out: dict = {k: v for k, v in (("router.host", a.host), ("router.port", a.port), ("model.dir", a.model))
+                 if v is not None}
+    if a.api_key:
+        out["auth.api_keys"] = a.api_key
+    if a.api_key_file:
+        out["auth.api_key_files"] = a.api_key_file
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="cpd router")
-    p.add_argument("--config", required=True, help="config file (.toml, .yaml, .json); see cpd config show")
+    p.add_argument("--config", default=None, help="config file (.toml, .yaml, .json); see cpd config show")
     p.add_argument("--set", dest="set_", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    _add_standalone_flags(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
     try:
-        cfg = build_config(a.config, parse_assignments(a.set_))
+        cfg = build_config(a.config, {**_standalone_overrides(a), **parse_assignments(a.set_)})
+        if cfg.router.served is None:
+            from cpd.router.bootstrap import learn_served
+            cfg.router.served = learn_served(cfg, a.served_from, cfg.auth.secret())
         router = build_router(cfg)
     except ConfigError as e:
         p.error(str(e))

@@ -53,10 +53,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerIdentity, Config]:
     Exits with status 2 and a message naming the key on an invalid configuration."""
     p = argparse.ArgumentParser(description="cpd worker process")
     p.add_argument("--role", required=True, choices=["pre-prefill", "prefill", "decode"])
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", default="", help="unique name (default: ROLE-HOSTNAME-PORT)")
     p.add_argument("--host", default="127.0.0.1", help="listen address of this worker")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--events-port", type=int, required=True)
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--events-port", type=int, default=0, help="KV event publisher port (0 = --port + 1)")
     p.add_argument("--router", default="", help="router URL to register with (re-registers periodically)")
     p.add_argument("--advertise-host", default="", help="address the router and decode workers reach this "
                                                          "worker at (default: --host)")
@@ -74,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerIdentity, Config]:
         p.error(str(e))
     if not cfg.model.dir:
         p.error("model.dir is empty: pass --model DIR or set [model] dir in the config file")
-    return WorkerIdentity(a.role, a.worker_id, a.host, a.port, a.events_port, a.router, a.advertise_host), cfg
+    wid = a.worker_id or f"{a.role}-{socket.gethostname()}-{a.port}"
+    return WorkerIdentity(a.role, wid, a.host, a.port, a.events_port or a.port + 1, a.router,
+                          a.advertise_host), cfg
 
 
 def _dest(key: str) -> str:
