@@ -15,7 +15,8 @@ import pytest
 
 from cpd.kv.events import BlockRemoved, BlockStored
 from cpd.store import StoreUnavailable, open_store
-from cpd.store.base import CorruptValue, decode_value, encode_value
+from cpd.store.chunk_format import decode_value, encode_value
+from cpd.store.errors import CorruptValue
 from cpd.store.connector import L3Connector
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,8 +2,15 @@
 and ``redis+cluster://HOST:PORT[,HOST:PORT...]``, and the engine-facing
 :class:`~cpd.store.connector.L3Connector`.
 
-See :mod:`cpd.store.base` for keys, chunking, the value wire format and the visibility
-protocol (DESIGN §4)."""
+One concept per module: :mod:`~cpd.store.base` (the interface), :mod:`~cpd.store.chunk_keys`
+(keys and chunking), :mod:`~cpd.store.chunk_format` (the value format and checksum),
+:mod:`~cpd.store.visibility` (the ALLOCATED -> WRITING -> SEALED -> VISIBLE -> EVICTED protocol
+every backend goes through, and its announcements), :mod:`~cpd.store.errors`,
+:mod:`~cpd.store.capacity` (default capacity), :mod:`~cpd.store.sizes`, and the backends
+(:mod:`~cpd.store.file_store`; :mod:`~cpd.store.redis_store` with its scripts
+:mod:`~cpd.store.redis_scripts`, raw writer :mod:`~cpd.store.redis_resp`, URL options
+:mod:`~cpd.store.redis_url`, eviction watcher :mod:`~cpd.store.redis_watch`, and the cluster
+variant :mod:`~cpd.store.redis_cluster_store`)."""
 from __future__ import annotations
 
 from urllib.parse import parse_qs, urlparse

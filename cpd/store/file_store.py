@@ -31,8 +31,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
-                            StoreUnavailable, encode_parts, header_hashes, header_prefix_len)
+from cpd.store.base import DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite, StoreUnavailable
+from cpd.store.chunk_format import encode_parts, header_hashes, header_prefix_len
 
 _TMP = ".tmp."
 _EXT = ".kv"
@@ -57,26 +57,22 @@ def _plen(p) -> int:
 
 
 class _FileWrite(PendingWrite):
-    def __init__(self, store: "FileStore", key: ChunkKey, parts: list):
-        self.store, self.key, self.parts = store, key, parts
-        self.total = sum(_plen(p) for p in parts)
-        self.written = 0
-        self.tmp = os.path.join(store.root, f"{_TMP}{_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
-        self.done = False
-        self.lost = False
+    """Staging = a temp file in the store directory; seal = ``link(temp, final)`` (atomic, fails
+    if another writer sealed first); the temp name is unlinked afterwards either way."""
 
-    def write(self, fraction: float = 1.0) -> None:
-        limit = int(self.total * min(max(fraction, 0.0), 1.0))
-        if self.lost or limit <= self.written:
-            return
+    def __init__(self, store: "FileStore", key: ChunkKey, hashes: Sequence[int], parts: list):
+        super().__init__(key, hashes, sum(_plen(p) for p in parts), store.visibility)
+        self.store, self.parts = store, parts
+        self.tmp = os.path.join(store.root, f"{_TMP}{_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+
+    def _stage(self, limit: int) -> bool:
         flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if self.written == 0 else 0)
         try:
             fd = os.open(self.tmp, flags, 0o644)
         except FileNotFoundError:
             if self.written == 0:
                 raise self.store._unavailable(FileNotFoundError(self.store.root))
-            self.lost = True  # staging file reclaimed (writer exceeded stale_timeout_s)
-            return
+            return False  # staging file reclaimed (writer exceeded stale_timeout_s)
         except OSError as e:
             raise self.store._unavailable(e)
         try:
@@ -88,35 +84,25 @@ class _FileWrite(PendingWrite):
                     if hi > lo:
                         f.write(memoryview(p)[lo:hi])
                     pos += ln
-            self.written = max(self.written, limit)
         except OSError as e:
             raise self.store._unavailable(e)
+        return True
 
-    def seal(self) -> bool:
-        if self.done:
-            return False
-        self.done = True
+    def _seal_atomic(self) -> bool:
         try:
-            if self.lost or self.written < self.total:
-                return False  # never make a partial or reclaimed value visible
-            try:
-                os.link(self.tmp, os.path.join(self.store.root, _name(self.key)))
-                return True
-            except FileExistsError:
-                return False
-            except FileNotFoundError:
-                self.store._check_root()
-                return False  # staging file reclaimed: never visible
-            except OSError as e:
-                raise self.store._unavailable(e)
+            os.link(self.tmp, os.path.join(self.store.root, _name(self.key)))
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self.store._check_root()
+            return False  # staging file reclaimed: never visible
+        except OSError as e:
+            raise self.store._unavailable(e)
         finally:
-            self._rm()
+            self._discard()
 
-    def abort(self) -> None:
-        self.done = True
-        self._rm()
-
-    def _rm(self) -> None:
+    def _discard(self) -> None:
         try:
             os.unlink(self.tmp)
         except OSError:
@@ -202,15 +188,15 @@ class FileStore(KVStore):
             if os.path.exists(self._path(key)):  # cheap early drop; link() decides for real
                 res.append(False)
                 continue
-            w = _FileWrite(self, key, parts)
+            w = _FileWrite(self, key, header_hashes(parts[0]) or [key[0]], parts)
             try:
                 w.write(1.0)
-                res.append(w.seal())
+                res.append(w.seal(announce=False))  # put_blocks announces, with parent and tokens
             except BaseException:
                 w.abort()
                 raise
             if res[-1]:
-                self._used_est += w.total
+                self._used_est += w.total_bytes
         if self.capacity_bytes and any(res):
             self._maybe_evict()
         return res
@@ -266,7 +252,7 @@ class FileStore(KVStore):
             raise ValueError("more blocks than chunk_blocks")
         self._check_root()
         hs = [int(h) for h in block_hashes]
-        return _FileWrite(self, (hs[-1], len(hs)), encode_parts(hs, blocks, block_size))
+        return _FileWrite(self, (hs[-1], len(hs)), hs, encode_parts(hs, blocks, block_size))
 
     def reclaim_stale(self, max_age_s: float | None = None) -> int:
         age = self.stale_timeout_s if max_age_s is None else max_age_s
@@ -316,7 +302,7 @@ class FileStore(KVStore):
             except OSError as e:
                 raise self._unavailable(e)
             n += 1
-            self._emit_removed(hs if hs and hs[-1] == k[0] and len(hs) == k[1] else [k[0]])
+            self.visibility.evicted_chunk(k, hs or [])
         self._used_est = total
         self._last_scan = time.monotonic()
         self._bump(evicted=n)

@@ -32,14 +32,19 @@ from redis.exceptions import AskError, ClusterDownError, RedisClusterException, 
 from redis.retry import Retry
 
 from cpd.store.base import ChunkKey, StoreUnavailable
-from cpd.store.redis_store import RedisStore
+from cpd.store.redis_resp import join_parts, set_nx_many
+from cpd.store.redis_scripts import RedisScripts
+from cpd.store.redis_store import RedisErrors, RedisStore
 
 
 _REDIRECT = (AskError, TryAgainError, ClusterDownError)  # MovedError is an AskError
 
 
 class RedisClusterStore(RedisStore):
-    """Client of one Redis Cluster.
+    """Client of one Redis Cluster: a :class:`~cpd.store.redis_store.RedisStore` whose client
+    side is replaced — the lazily created cluster client (:attr:`r`) and its scripts, the error
+    guard that reloads the slot map, hash-tagged keys, per-node raw puts, SCAN and eviction
+    watching on every primary. The protocol, bookkeeping and eviction are inherited unchanged.
 
     Args:
         nodes: seed ``(host, port)`` pairs.
@@ -53,8 +58,10 @@ class RedisClusterStore(RedisStore):
         super().__init__(self.nodes[0][0], self.nodes[0][1], 0, **kw)
 
     def _init_client(self, host: str, port: int, db: int) -> None:
+        """No connection yet: the cluster client is created on first use (:attr:`r`)."""
         self.url = "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
         self._rc: RedisCluster | None = None
+        self._cluster_scripts: RedisScripts | None = None
         self._rc_lock = threading.Lock()
         self._broken = False
 
@@ -71,7 +78,7 @@ class RedisClusterStore(RedisStore):
                                       socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
                                       retry=Retry(NoBackoff(), 0), require_full_coverage=True,
                                       **self.connection)
-                self._register_scripts(rc)
+                self._cluster_scripts = RedisScripts.register(rc)
                 self._rc = rc
             elif self._broken:
                 try:
@@ -82,27 +89,18 @@ class RedisClusterStore(RedisStore):
                 self._broken = False
             return self._rc
 
-    _SCRIPTS = frozenset({"_inval", "_stage", "_seal", "_acct", "_forget_s", "_pick"})
+    def scripts(self) -> RedisScripts:
+        """The Lua scripts, registered with the cluster client (created on first use; each
+        script is only ever called on keys of one slot). Raises: StoreUnavailable."""
+        self.r  # noqa: B018 - creates the client, which registers them
+        assert self._cluster_scripts is not None
+        return self._cluster_scripts
 
-    def __getattr__(self, name):  # Lua scripts are registered with the (lazy) client
-        if name in RedisClusterStore._SCRIPTS:
-            self.r  # noqa: B018 - creates the client and registers them
-            return self.__dict__[name]
-        raise AttributeError(name)
+    def _guard(self) -> RedisErrors:
+        return RedisErrors(self.url, self._errors, on_error=self._mark_broken)
 
-    def _guard(self):
-        g = RedisStore._Guard(self.url, self._errors)
-        store = self
-
-        class _G:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, et, ev, tb):
-                if et is not None and issubclass(et, store._errors) and not issubclass(et, StoreUnavailable):
-                    store._broken = True  # reload the slot map on the next call
-                return g.__exit__(et, ev, tb)
-        return _G()
+    def _mark_broken(self) -> None:
+        self._broken = True  # reload the slot map on the next call
 
     def _pipe(self):
         return self.r.pipeline()
@@ -118,7 +116,6 @@ class RedisClusterStore(RedisStore):
             return bool(self.r.ping(target_nodes=RedisCluster.ALL_NODES))
 
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
-        from cpd.store.redis_store import _join
         rc = self.r
         won = [False] * len(items)
         with self._guard():
@@ -131,7 +128,7 @@ class RedisClusterStore(RedisStore):
             redo: list[int] = []
             for name, idx in groups.items():
                 conn = rc.get_redis_connection(nodes[name])
-                replies = self._raw_set_nx(conn.connection_pool,
+                replies = set_nx_many(conn.connection_pool,
                                            [(self._key(items[i][0]).encode(), items[i][1]) for i in idx],
                                            self.chunk_ttl_ms)
                 for i, rep in zip(idx, replies):
@@ -145,7 +142,7 @@ class RedisClusterStore(RedisStore):
                 self._broken = True
                 p = self.r.pipeline()
                 for i in redo:
-                    p.set(self._key(items[i][0]), bytes(_join(items[i][1])), nx=True,
+                    p.set(self._key(items[i][0]), bytes(join_parts(items[i][1])), nx=True,
                           px=self.chunk_ttl_ms or None)
                 for i, rep in zip(redo, p.execute(raise_on_error=False)):
                     won[i] = rep is True

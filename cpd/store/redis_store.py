@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import redis
@@ -62,133 +62,63 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStore, PendingWrite,
-                            StoreTimeout, StoreUnavailable, encode_parts)
+                            StoreTimeout, StoreUnavailable)
+from cpd.store.chunk_format import encode_parts, header_hashes
+from cpd.store.redis_resp import join_parts, part_len, set_nx_many
+from cpd.store.redis_scripts import RedisScripts
 
-# KEYS[1]=staging key; ARGV: offset, ttl_ms, bytes. A continuation of a reclaimed (expired)
-# staging key fails instead of recreating a zero-padded value.
-_STAGE_LUA = """
-if tonumber(ARGV[1]) > 0 and redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return -1 end
-redis.call('SETRANGE', KEYS[1], ARGV[1], ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
+class RedisErrors:
+    """Context manager turning client errors into :class:`StoreUnavailable` (:class:`StoreTimeout`
+    for timeouts), after calling ``on_error`` (the cluster store reloads its slot map)."""
 
-# KEYS: staging, final; ARGV: expected length. Seal = atomic rename-if-absent of a complete value.
-_SEAL_LUA = """
-if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then redis.call('DEL', KEYS[1]) return -1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('DEL', KEYS[1]) return 0 end
-redis.call('RENAME', KEYS[1], KEYS[2])
-if tonumber(ARGV[2] or '0') > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) else redis.call('PERSIST', KEYS[2]) end
-return 1
-"""
+    __slots__ = ("url", "errors", "on_error")
 
-# KEYS: lru, info, used; ARGV: now, then (chunk key, info) pairs of values this client made
-# visible. Records size+hashes once per key, bumps recency. Returns bytes used.
-_ACCOUNT_LUA = """
-for i = 2, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i+1]) == 1 then
-    redis.call('INCRBY', KEYS[3], tonumber(string.match(ARGV[i+1], '^%d+')))
-  end
-  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
-end
-return tonumber(redis.call('GET', KEYS[3]) or '0')
-"""
+    def __init__(self, url: str, errors: tuple, on_error: Callable[[], None] | None = None):
+        self.url, self.errors, self.on_error = url, errors, on_error
 
-# KEYS: lru, info, used; ARGV: chunk keys that are gone. Forgets them (idempotent: the size is
-# subtracted only by the call that removes the info field). Returns each key's info or nil.
-_FORGET_LUA = """
-local out = {}
-for i = 1, #ARGV do
-  local v = redis.call('HGET', KEYS[2], ARGV[i])
-  if v then
-    redis.call('HDEL', KEYS[2], ARGV[i])
-    redis.call('DECRBY', KEYS[3], tonumber(string.match(v, '^%d+')))
-  end
-  redis.call('ZREM', KEYS[1], ARGV[i])
-  out[i] = v or false
-end
-return out
-"""
+    def __enter__(self) -> "RedisErrors":
+        return self
 
-# KEYS: lru, info, used; ARGV: target bytes, max names. The oldest chunk keys whose sizes cover
-# the excess over the target (empty when at or below it).
-_PICK_LUA = """
-local need = tonumber(redis.call('GET', KEYS[3]) or '0') - tonumber(ARGV[1])
-local out = {}
-if need <= 0 then return out end
-local names = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
-for i = 1, #names do
-  out[#out + 1] = names[i]
-  local v = redis.call('HGET', KEYS[2], names[i])
-  if v then need = need - tonumber(string.match(v, '^%d+')) end
-  if need <= 0 then break end
-end
-return out
-"""
-
-_INVALIDATE_LUA = """
-local t = redis.call('GETRANGE', KEYS[1], -8, -1)
-if t == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-
-def _join(parts: list) -> bytearray:
-    out = bytearray(sum(len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes for p in parts))
-    pos = 0
-    for p in parts:
-        ln = len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes
-        out[pos:pos + ln] = p
-        pos += ln
-    return out
+    def __exit__(self, et, ev, tb) -> bool:
+        if et is not None and issubclass(et, self.errors) and not issubclass(et, StoreUnavailable):
+            if self.on_error is not None:
+                self.on_error()
+            if issubclass(et, (redis.TimeoutError, TimeoutError)):
+                raise StoreTimeout(f"{self.url}: timeout: {ev!r}") from ev
+            raise StoreUnavailable(f"{self.url}: {ev!r}") from ev
+        return False
 
 
 class _RedisWrite(PendingWrite):
-    def __init__(self, store: "RedisStore", key: ChunkKey, value: bytearray):
-        self.store, self.key, self.value = store, key, value
-        self.stage = store._stage_key(key)
-        self.hashes: list[int] = []
-        self.written = 0
-        self.done = False
-        self.lost = False
+    """Staging = a key with a TTL (``SETRANGE`` + ``PEXPIRE`` in one script); seal = a script that
+    checks the staged length and renames to the final key only if that is absent."""
 
-    def write(self, fraction: float = 1.0) -> None:
-        limit = int(len(self.value) * min(max(fraction, 0.0), 1.0))
-        if self.lost or limit <= self.written:
-            return
+    def __init__(self, store: "RedisStore", key: ChunkKey, hashes: Sequence[int], value: bytearray):
+        super().__init__(key, hashes, len(value), store.visibility)
+        self.store, self.value = store, value
+        self.stage = store._stage_key(key)
+
+    def _stage(self, limit: int) -> bool:
         ttl = max(1, int(self.store.stale_timeout_s * 1000))
         with self.store._guard():
-            r = self.store._stage(keys=[self.stage], args=[
+            r = self.store.scripts().stage(keys=[self.stage], args=[
                 self.written, ttl, memoryview(self.value)[self.written:limit]])
-        if r == -1:
-            self.lost = True  # staging key expired/reclaimed: this write can never seal
-            return
-        self.written = limit
+        return r != -1  # -1: staging key expired/reclaimed, this write can never seal
 
-    def seal(self) -> bool:
-        if self.done:
-            return False
-        self.done = True
-        if self.lost or self.written < len(self.value):
-            self.abort()
-            return False
+    def _seal_atomic(self) -> bool:
         with self.store._guard():
-            r = self.store._seal(keys=[self.stage, self.store._key(self.key)], args=[len(self.value), self.store.chunk_ttl_ms])
+            r = self.store.scripts().seal(keys=[self.stage, self.store._key(self.key)],
+                                          args=[len(self.value), self.store.chunk_ttl_ms])
         if r == 1 and self.store.track:
             self.store._after_write([(self.key, len(self.value), self.hashes)])
         return r == 1
 
-    def abort(self) -> None:
-        self.done = True
+    def _discard(self) -> None:
         try:
             with self.store._guard():
                 self.store.r.delete(self.stage)
         except StoreUnavailable:
             pass  # the TTL reclaims it
-
-
-def _plen(p) -> int:
-    return len(p) if isinstance(p, (bytes, bytearray)) else p.nbytes
 
 
 def _info(size: int, hashes: Sequence[int]) -> str:
@@ -249,38 +179,17 @@ class RedisStore(KVStore):
         self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=self.timeout_s,
                              socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
                              health_check_interval=0, **self.connection)
-        self._register_scripts(self.r)
+        self._scripts = RedisScripts.register(self.r)
 
-    def _register_scripts(self, r) -> None:
-        self._inval = r.register_script(_INVALIDATE_LUA)
-        self._stage = r.register_script(_STAGE_LUA)
-        self._seal = r.register_script(_SEAL_LUA)
-        self._acct = r.register_script(_ACCOUNT_LUA)
-        self._forget_s = r.register_script(_FORGET_LUA)
-        self._pick = r.register_script(_PICK_LUA)
+    def scripts(self) -> RedisScripts:
+        """The Lua scripts, registered with this store's client."""
+        return self._scripts
 
     def _pipe(self):
         return self.r.pipeline(transaction=False)
 
-    # errors -> StoreUnavailable
-    class _Guard:
-        __slots__ = ("url", "errors")
-
-        def __init__(self, url, errors):
-            self.url, self.errors = url, errors
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, et, ev, tb):
-            if et is not None and issubclass(et, self.errors) and not issubclass(et, StoreUnavailable):
-                if issubclass(et, (redis.TimeoutError, TimeoutError)):
-                    raise StoreTimeout(f"{self.url}: timeout: {ev!r}") from ev
-                raise StoreUnavailable(f"{self.url}: {ev!r}") from ev
-            return False
-
-    def _guard(self) -> "_Guard":
-        return RedisStore._Guard(self.url, self._errors)
+    def _guard(self) -> "RedisErrors":
+        return RedisErrors(self.url, self._errors)
 
     def _key(self, key: ChunkKey) -> str:
         return f"{self.prefix}{key[0]:016x}:{key[1]}"
@@ -312,21 +221,20 @@ class RedisStore(KVStore):
         for key, size, hs in written:
             args += [self._key(key), _info(size, hs or [key[0]])]
         with self._guard():
-            return int(self._acct(keys=self.meta_keys, args=args))
+            return int(self.scripts().account(keys=self.meta_keys, args=args))
 
     def _forget(self, names: list[str]) -> list:
         """Drop bookkeeping of gone chunk keys; returns each one's info (or None)."""
         if not names:
             return []
         with self._guard():
-            return list(self._forget_s(keys=self.meta_keys, args=names))
+            return list(self.scripts().forget(keys=self.meta_keys, args=names))
 
     def _removed(self, keys: list[ChunkKey], infos: list) -> None:
         """Publish one ``BlockRemoved`` per removed chunk naming its blocks (from the
         bookkeeping; just the last hash when that is gone)."""
         for k, info in zip(keys, infos):
-            hs = _info_hashes(info)
-            self._emit_removed(hs if hs and hs[-1] == k[0] and len(hs) == k[1] else [k[0]])
+            self.visibility.evicted_chunk(k, _info_hashes(info))
 
     def used_bytes(self) -> int:
         """Visible bytes according to the bookkeeping (0 unless tracking). Raises: StoreUnavailable."""
@@ -339,7 +247,7 @@ class RedisStore(KVStore):
         evicted = 0
         for _ in range(10000):
             with self._guard():
-                names = [n.decode() for n in self._pick(keys=self.meta_keys,
+                names = [n.decode() for n in self.scripts().pick(keys=self.meta_keys,
                                                         args=[int(max_bytes), self.evict_batch])]
                 if not names:
                     break
@@ -386,38 +294,9 @@ class RedisStore(KVStore):
                 p.zadd(self.meta_keys[0], {self._key(k): now for k in keys}, xx=True)
             return p.execute()[:len(keys)]
 
-    @staticmethod
-    def _raw_set_nx(pool, entries: list[tuple[bytes, list]], ttl_ms: int = 0) -> list:
-        """``SET key value NX`` written as raw RESP straight from the numpy buffers (no join,
-        no hiredis packing copy), all commands pipelined on one connection, then all replies
-        read (error replies are returned as exception objects)."""
-        if ttl_ms > 0:
-            t = b"%d" % ttl_ms
-            n_args, tail = b"*6", b"\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(t), t)
-        else:
-            n_args, tail = b"*4", b"\r\n$2\r\nNX\r\n"
-        conn = pool.get_connection()
-        try:
-            for k, parts in entries:
-                vlen = sum(_plen(p) for p in parts)
-                hdr = b"%s\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (n_args, len(k), k, vlen)
-                conn.send_packed_command([hdr, *parts, tail])
-            replies = []
-            for _ in entries:
-                try:
-                    replies.append(conn.read_response())
-                except redis.ResponseError as e:  # reply consumed: the connection stays in sync
-                    replies.append(e)
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-        return replies
-
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
         with self._guard():
-            replies = self._raw_set_nx(self.r.connection_pool,
+            replies = set_nx_many(self.r.connection_pool,
                                        [(self._key(key).encode(), parts) for key, parts in items],
                                        self.chunk_ttl_ms)
         won = [r is not None and not isinstance(r, Exception) for r in replies]
@@ -427,11 +306,10 @@ class RedisStore(KVStore):
 
     @staticmethod
     def _written(items, won) -> list[tuple[ChunkKey, int, list[int]]]:
-        from cpd.store.base import header_hashes
         out = []
         for (key, parts), w in zip(items, won):
             if w:
-                out.append((key, sum(_plen(p) for p in parts), header_hashes(parts[0]) or [key[0]]))
+                out.append((key, sum(part_len(p) for p in parts), header_hashes(parts[0]) or [key[0]]))
         return out
 
     def _invalidate(self, key: ChunkKey, trailer: bytes | None) -> bool:
@@ -440,7 +318,7 @@ class RedisStore(KVStore):
                 if trailer is None:
                     ok = bool(self.r.delete(self._key(key)))
                 else:
-                    ok = bool(self._inval(keys=[self._key(key)], args=[trailer]))
+                    ok = bool(self.scripts().invalidate(keys=[self._key(key)], args=[trailer]))
             if ok and self.track:
                 self._forget([self._key(key)])
             return ok
@@ -496,9 +374,7 @@ class RedisStore(KVStore):
         if len(block_hashes) > self.chunk_blocks:
             raise ValueError("more blocks than chunk_blocks")
         hs = [int(h) for h in block_hashes]
-        w = _RedisWrite(self, (hs[-1], len(hs)), _join(encode_parts(hs, blocks, block_size)))
-        w.hashes = hs
-        return w
+        return _RedisWrite(self, (hs[-1], len(hs)), hs, join_parts(encode_parts(hs, blocks, block_size)))
 
     def reclaim_stale(self, max_age_s: float | None = None) -> int:
         """Staging keys expire by their TTL; with ``max_age_s == 0`` they are deleted now
