@@ -1,0 +1,137 @@
+"""The modeled executor on the real engine: step and transfer waits equal the cost model's,
+dilation scales them, pseudo tokens are path-independent, block accounting is the same for the
+same request sequence, pools return to baseline, and no torch is imported."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cpd.engine.engine import Engine, EngineRequest, SamplingParams
+from cpd.engine.executor_modeled import build_modeled_executor, pseudo_token
+from cpd.policy.cost_model import RooflineCostModel
+from cpd.engine.scheduler import SchedulerConfig
+
+BS = 16
+
+
+class RecordingClock:
+    """A virtual clock: records every wait instead of sleeping."""
+
+    def __init__(self):
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+def _engine(clock=None, dilation=1.0, num_blocks=256, host_kv_bytes=0, chunk=512):
+    ex = build_modeled_executor("llama-3.1-8b", "b200", 4, time_dilation=dilation, clock=clock or RecordingClock())
+    sc = SchedulerConfig(max_num_batched_tokens=chunk, max_prefill_chunk_tokens=chunk, max_num_seqs=8)
+    return Engine(None, num_blocks=num_blocks, block_size=BS, host_kv_bytes=host_kv_bytes, executor=ex,
+                  scheduler_config=sc), ex
+
+
+def _prompt(n: int, base: int = 1000) -> list[int]:
+    return [base + (i * 7919) % 50000 for i in range(n)]
+
+
+def test_step_waits_equal_cost_model_step_times():
+    clock = RecordingClock()
+    eng, ex = _engine(clock)
+    cm = RooflineCostModel.build("Llama-3.1-8B", "b200", 4)
+    out = eng.generate(_prompt(1000), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out) == 3
+    expected = [cm.step_time_s([(512, 0)]), cm.step_time_s([(488, 512)]),
+                cm.step_time_s((), 1000, 1), cm.step_time_s((), 1001, 1)]
+    assert clock.waits == pytest.approx(expected, rel=1e-12)
+    assert ex.busy_s == pytest.approx(sum(expected), rel=1e-12)
+
+
+def test_time_dilation_multiplies_every_wait():
+    c1, c4 = RecordingClock(), RecordingClock()
+    e1, _ = _engine(c1, dilation=1.0)
+    e4, _ = _engine(c4, dilation=4.0)
+    p = _prompt(700)
+    assert e1.generate(p, SamplingParams(max_tokens=4)) == e4.generate(p, SamplingParams(max_tokens=4))
+    assert c4.waits == pytest.approx([4 * w for w in c1.waits], rel=1e-12)
+
+
+def test_l2_promotion_waits_the_modeled_transfer_time():
+    clock = RecordingClock()
+    eng, ex = _engine(clock, num_blocks=40, host_kv_bytes=64 << 30)  # 64 GiB modeled L2
+    waits: list[tuple[str, float]] = []
+    ex.on_wait = lambda what, s: waits.append((what, s))
+    a, b = _prompt(320, 1000), _prompt(600, 9000)
+    eng.generate(a, SamplingParams(max_tokens=1))
+    eng.generate(b, SamplingParams(max_tokens=1))  # evicts most of a's L1 blocks into L2
+    waits.clear()
+    eng.add_request(EngineRequest("again", a, SamplingParams(max_tokens=1)))
+    first = None
+    while first is None:
+        first = next((o for o in eng.step() if o.request_id == "again"), None)
+    n_l2 = first.num_cached_tokens_by_tier["L2"]
+    assert n_l2 >= 10 * BS
+    l2 = [s for what, s in waits if what == "L2"]
+    assert l2 == pytest.approx([ex.cost_model.transfer_time_s("L2", n_l2 * ex.kv_bytes_per_token)], rel=1e-12)
+
+
+def test_pseudo_tokens_are_path_independent_through_a_handoff():
+    p = _prompt(333)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    one, _ = _engine()
+    want = one.generate(p, sp)
+    pre, _ = _engine()
+    dec, ex_dec = _engine()
+    pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
+    first = []
+    while not first:
+        first = [o for o in pre.step() if o.request_id == "r"]
+    kv, toks = pre.export_kv("r")
+    assert kv.shape == (1, 2, len(toks) - 1, 1, ex_dec.kv_layout.head_dim)
+    pre.release("r")
+    dec.add_decode_request("r", toks, kv, sp, num_generated=1)
+    got = list(first[0].new_token_ids)
+    while dec.has_unfinished():
+        got += [t for o in dec.step() if o.request_id == "r" for t in o.new_token_ids]
+    assert got == want
+    assert want == [pseudo_token(p + want[:i], len(p) + i, one.vocab_size) for i in range(6)]
+    for e in (one, pre, dec):
+        e.check_invariants()
+        assert e.pool_stats()["num_in_use"] == 0
+
+
+def test_same_request_sequence_same_tokens_and_block_accounting():
+    def run():
+        eng, _ = _engine(num_blocks=64, host_kv_bytes=8 << 30)
+        shared = _prompt(256, 5)
+        outs = []
+        for i in range(6):
+            tail = _prompt(40 + 30 * i, 70000 + i)
+            outs.append(eng.generate(shared + tail, SamplingParams(max_tokens=5)))
+        eng.check_invariants()
+        return outs, eng.pool_stats(), eng.cached_block_hashes()
+    a, b = run(), run()
+    assert a == b
+    assert a[1]["num_in_use"] == 0
+
+
+def test_kv_payload_is_the_documented_fraction():
+    eng, ex = _engine()
+    assert ex.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B, BF16 KV: 128 KiB per token
+    assert ex.payload_bytes_per_token == ex.kv_bytes_per_token // 8192
+    assert eng.kv_bytes_per_token == ex.kv_bytes_per_token
+
+
+def test_modeled_engine_does_not_import_torch():
+    code = ("import sys\n"
+            "from cpd.engine.engine import Engine\n"
+            "from cpd.engine.executor_modeled import build_modeled_executor\n"
+            "from cpd.engine.engine import SamplingParams\n"
+            "e = Engine(None, num_blocks=64, host_kv_bytes=1 << 30, executor=build_modeled_executor())\n"
+            "assert len(e.generate(list(range(1, 100)), SamplingParams(max_tokens=2))) == 2\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
