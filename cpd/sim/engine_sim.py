@@ -1,0 +1,266 @@
+"""Discrete-event simulator on the live engine objects (issue 10 §2).
+
+Every instance is a real :class:`cpd.engine.engine.Engine` (scheduler, L1 pool with its prefix
+cache and LRU, L2 host pool, prefix-load path L1 → L2 → L3 → recompute, chunk and block
+arithmetic) with a :class:`~cpd.engine.executor_modeled.ModeledExecutor` on a
+:class:`VirtualClock`: an engine step runs at once, the waits it asks for (step time,
+L2/L3/handoff transfers) are summed, and its outputs are delivered that much later on the
+virtual clock. The router side is the live one too: the request's block hashes
+(:func:`cpd.kv.block_hash.hash_blocks`), the router's :class:`cpd.router.index.PrefixIndex`
+fed with each engine's real KV events ``kv_event_delay_s`` after the step that produced them,
+the live :func:`cpd.policy.routing.route`, and the live dispatch's load accounting
+(queued prefill tokens and ``queued_prefill_s`` added at dispatch, removed when the first
+token returns). L3 is the real file store behind the real :class:`L3Connector`.
+
+Deterministic: one heap ordered by ``(time, insertion counter)``, no wall clock, no threads;
+tokens are derived from the trace's block ids (:func:`block_tokens`).
+"""
+from __future__ import annotations
+
+import heapq
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from cpd.engine.engine import Engine, EngineRequest, SamplingParams
+from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
+from cpd.engine.scheduler import SchedulerConfig
+from cpd.kv.block_hash import hash_blocks
+from cpd.kv.events import KVEventBatch
+from cpd.policy.cost_model import RooflineCostModel
+from cpd.policy.routing import RoutingConfig, WorkerLoad, route
+from cpd.router.index import PrefixIndex
+from cpd.sim.workload import SimRequest
+
+VOCAB = 1 << 17  # token ids of the synthetic blocks
+DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
+
+
+class VirtualClock:
+    """Collects the waits of one engine step (virtual seconds) instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.pending_s = 0.0
+
+    def wait(self, seconds: float) -> None:
+        self.pending_s += seconds
+
+    def take(self) -> float:
+        s, self.pending_s = self.pending_s, 0.0
+        return s
+
+
+def block_tokens(block_id: int, block_size: int) -> list[int]:
+    """The deterministic token ids of one trace block (a different run per block id)."""
+    x = (block_id * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF
+    out = []
+    for _ in range(block_size):
+        x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+        out.append(1 + (x >> 33) % (VOCAB - 1))
+    return out
+
+
+def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]]) -> list[int]:
+    toks: list[int] = []
+    for b in r.blocks:
+        t = cache.get(b)
+        if t is None:
+            t = cache[b] = block_tokens(b, block_size)
+        toks.extend(t)
+        if len(toks) >= r.prompt_tokens:
+            break
+    return toks[:r.prompt_tokens]
+
+
+@dataclass(frozen=True)
+class EngineInstanceSpec:
+    """One engine instance: role, cost model, scheduler limits, L1 blocks, L2 bytes (modeled)."""
+
+    role: str
+    cost: RooflineCostModel
+    sched: SchedulerConfig
+    l1_blocks: int
+    l2_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineClusterSpec:
+    instances: tuple[EngineInstanceSpec, ...]
+    routing: RoutingConfig
+    router_cost: Any  # a CostModel (the live router's LinearCostModel, or a roofline)
+    block_size: int = 512
+    l3_bytes: int = 0  # modeled L3 capacity; 0 = no L3
+    kv_event_delay_s: float = 0.05
+
+
+@dataclass
+class _Inst:
+    wid: str
+    role: str
+    engine: Engine
+    clock: VirtualClock
+    batches: list = field(default_factory=list)
+    seq: int = -1
+    busy: bool = False
+    busy_s: float = 0.0
+    queued_prefill_tokens: int = 0
+    queued_prefill_s: float = 0.0
+    running_requests: int = 0
+
+
+class EngineSimulator:
+    """Run a workload on engine instances (see module docstring).
+
+    Records per request (``rec[i]`` dict): ``arrival``, ``cls``, ``pool``, ``worker``, ``decode``,
+    ``l1``/``l2``/``l3`` (prompt tokens loaded per tier), ``ttft_t``, ``done_t``.
+    """
+
+    def __init__(self, cluster: EngineClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None):
+        self.c = cluster
+        self.bs = cluster.block_size
+        self.now = 0.0
+        self._q: list = []
+        self._n = 0
+        self.stop_s = stop_s
+        self._tmp = tempfile.mkdtemp(prefix="cpd-sim-l3-")
+        self.index = PrefixIndex()
+        self.insts: list[_Inst] = []
+        counts: dict[str, int] = {}
+        for spec in cluster.instances:
+            k = counts[spec.role] = counts.get(spec.role, -1) + 1
+            self.insts.append(self._instance(f"{spec.role}-{k}", spec))
+        self.by_id = {w.wid: w for w in self.insts}
+        self.namespace = self.insts[0].engine.namespace
+        self.reqs = sorted(requests, key=lambda r: r.arrival_s)
+        self.rec: list[dict | None] = [None] * len(self.reqs)
+        self._tokens: dict[int, list[int]] = {}
+        self.events_run = 0
+        for i, r in enumerate(self.reqs):
+            self.at(r.arrival_s, self._arrive, i)
+
+    def _instance(self, wid: str, spec: EngineInstanceSpec) -> _Inst:
+        clock = VirtualClock()
+        cfg = ModeledModelConfig(vocab_size=VOCAB, max_position_embeddings=spec.cost.model.max_context)
+        ex = ModeledExecutor(spec.cost, cfg, clock=clock, model_id="sim")
+        connector = None
+        w_box: list[_Inst] = []
+        sink: Callable[[Any], None] = lambda ev: w_box[0].batches.append(ev)
+        if self.c.l3_bytes and spec.role != DECODE:
+            from cpd.store import open_store
+            from cpd.store.connector import L3Connector
+            store = open_store(f"file://{self._tmp}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
+            connector = L3Connector(store, event_sink=sink)
+        eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
+                     scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex)
+        w = _Inst(wid, spec.role, eng, clock)
+        w_box.append(w)
+        return w
+
+    def close(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- event queue -------------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        self._n += 1
+        heapq.heappush(self._q, (t, self._n, fn, args))
+
+    def run(self) -> "EngineSimulator":
+        try:
+            while self._q:
+                t, _, fn, args = heapq.heappop(self._q)
+                if self.stop_s is not None and t > self.stop_s:
+                    self.now = self.stop_s
+                    break
+                self.now = t
+                fn(t, *args)
+                self.events_run += 1
+        finally:
+            self.close()
+        return self
+
+    # -- router ------------------------------------------------------------------------
+    def _loads(self) -> list[WorkerLoad]:
+        return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
+                           w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s))
+                for w in self.insts]
+
+    def _arrive(self, now: float, i: int) -> None:
+        r = self.reqs[i]
+        toks = request_tokens(r, self.bs, self._tokens)
+        hashes = hash_blocks(toks, self.namespace)
+        match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs)
+        d = route(len(toks), match, self._loads(), self.c.routing, self.c.router_cost)
+        w = self.by_id[d.prefill_worker]
+        rc = getattr(d, "recompute", None)  # the load-vs-recompute outcome, as the live dispatch reads it
+        recompute_l3 = rc is not None and rc.tier == "L3"
+        cached = d.load_plan.num_cached_blocks * self.bs
+        est_s = self.c.router_cost.prefill_time_s(len(toks) - cached, cached)
+        w.queued_prefill_tokens += len(toks)
+        w.queued_prefill_s += est_s
+        w.running_requests += 1
+        self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,
+                       "decode": d.decode_worker, "est_s": est_s, "ttft_t": None, "done_t": None}
+        w.engine.add_request(EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                                           mode="prefill",
+                                           max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
+                                           write_through=d.pool == PRE_PREFILL))
+        self._kick(now, w)
+
+    # -- engines -----------------------------------------------------------------------
+    def _kick(self, now: float, w: _Inst) -> None:
+        if w.busy or not w.engine.has_unfinished():
+            return
+        outs = w.engine.step()
+        dt = w.clock.take()
+        self._publish(now + dt, w)
+        if dt <= 0 and not outs:
+            return  # nothing could run (e.g. an import waits for blocks): a later event kicks again
+        w.busy = True
+        w.busy_s += dt
+        self.at(now + dt, self._step_done, w, outs)
+
+    def _publish(self, t: float, w: _Inst) -> None:
+        if not w.batches:
+            return
+        w.seq += 1
+        batch = KVEventBatch(ts=t, events=w.batches)
+        w.batches = []
+        self.at(t + self.c.kv_event_delay_s, self._apply_events, w.wid, w.seq, batch)
+
+    def _apply_events(self, now: float, wid: str, seq: int, batch: KVEventBatch) -> None:
+        self.index.apply_batch(wid, seq, batch)
+
+    def _step_done(self, now: float, w: _Inst, outs) -> None:
+        w.busy = False
+        for o in outs:
+            i = int(o.request_id)
+            rec = self.rec[i]
+            if o.num_cached_tokens_by_tier is not None and "l1" not in rec:
+                rec.update({t.lower(): n for t, n in o.num_cached_tokens_by_tier.items()})
+            if w.role == DECODE:
+                if o.finished:
+                    rec["done_t"] = now
+                continue
+            if o.new_token_ids and rec["ttft_t"] is None:
+                rec["ttft_t"] = now
+                w.queued_prefill_tokens -= self.reqs[i].prompt_tokens
+                w.queued_prefill_s -= rec["est_s"]
+                w.running_requests -= 1
+            if o.finish_reason == "handoff":
+                self._handoff(now, w, i)
+            elif o.finished:
+                rec["done_t"] = now
+        self._kick(now, w)
+
+    def _handoff(self, now: float, w: _Inst, i: int) -> None:
+        kv, toks = w.engine.export_kv(str(i))
+        w.engine.release(str(i))
+        d = self.by_id[self.rec[i]["decode"]]
+        d.engine.add_decode_request(str(i), toks, kv, SamplingParams(max_tokens=self.reqs[i].output_tokens,
+                                                                     ignore_eos=True), num_generated=1)
+        self._kick(now, d)
+
+    # -- results -----------------------------------------------------------------------
+    def busy_s(self) -> dict[str, float]:
+        return {w.wid: w.busy_s for w in self.insts}
