@@ -150,7 +150,9 @@ class EngineSimulator:
             from cpd.store import open_store
             from cpd.store.connector import L3Connector
             store = open_store(f"file://{self._tmp}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
-            connector = L3Connector(store, event_sink=sink)
+            # synchronous writes: deterministic (the live connector writes in a background thread;
+            # here a written block is visible at the end of the step that computed it)
+            connector = L3Connector(store, event_sink=sink, write_async=False)
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
                      scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex)
         w = _Inst(wid, spec.role, eng, clock)
