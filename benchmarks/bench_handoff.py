@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from cpd.worker.handoff import HandoffSender
@@ -59,7 +60,7 @@ def run(mode: str, a: np.ndarray, n: int) -> tuple[float, str]:
                 t0 = time.perf_counter()
                 h = s.stage(f"r{i}", a)
                 t_stage = time.perf_counter() - t0
-                p.stdin.write(json.dumps(h) + "\n")
+                p.stdin.write(msgspec.json.encode(h).decode() + "\n")
                 p.stdin.flush()
                 rep = json.loads(p.stdout.readline())
                 s.release(f"r{i}")

@@ -8,8 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
 from cpd.worker.handoff import HandoffError, HandoffReceiver, HandoffSender, host_identity
 
@@ -29,11 +31,11 @@ r.close()
 """
 
 _SENDER = r"""
-import json, sys, numpy as np
+import json, sys, msgspec, numpy as np
 from cpd.worker.handoff import HandoffSender
 s = HandoffSender(arena_bytes=int(sys.argv[1]))
 a = np.random.default_rng(int(sys.argv[2])).standard_normal((4, 2, 300, 4, 16)).astype(np.float32)
-print(json.dumps(s.stage("req-x", a, meta={"first_token": 42})), flush=True)
+print(msgspec.json.encode(s.stage("req-x", a, meta={"first_token": 42})).decode(), flush=True)
 sys.stdin.readline()  # wait until the receiver is done
 print(json.dumps(s.stats()), flush=True)
 s.close()
@@ -58,8 +60,8 @@ def test_round_trip_to_another_process(tmp_path, mode):
         try:
             for rid, a in arrays.items():
                 h = s.stage(rid, a, meta={"out": str(tmp_path / f"{rid}.npy")})
-                assert h["kind"] == "shm"  # fits the arena; the receiver decides the path
-                p.stdin.write(json.dumps(h) + "\n")
+                assert h.kind == "shm"  # fits the arena; the receiver decides the path
+                p.stdin.write(msgspec.json.encode(h).decode() + "\n")
                 p.stdin.flush()
                 rep = json.loads(p.stdout.readline())
                 assert rep == {"path": mode, "rid": rid}
@@ -106,7 +108,7 @@ def test_arena_full_falls_back_to_tcp_and_release_frees(tmp_path):
     with HandoffSender(arena_bytes=3 << 20) as s, HandoffReceiver() as r:
         ha = s.stage("a", a)
         hb = s.stage("b", b)
-        assert ha["kind"] == "shm" and hb["kind"] == "tcp"
+        assert ha.kind == "shm" and hb.kind == "tcp"
         assert s.stats()["arena_full_fallbacks"] == 1
         assert r.path_for(hb) == "tcp"
         assert r.fetch(hb).tobytes() == b.tobytes()
@@ -115,7 +117,7 @@ def test_arena_full_falls_back_to_tcp_and_release_frees(tmp_path):
         assert s.release("a") and not s.release("a")
         assert s.stats()["arena_free_bytes"] == free_before + a.nbytes + 4096  # payload + its header page
         hc = s.stage("c", c)
-        assert hc["kind"] == "shm" and hc["offset"] == ha["offset"]  # the space is reused
+        assert hc.kind == "shm" and hc.offset == ha.offset  # the space is reused
         assert r.fetch(hc).tobytes() == c.tobytes()
         assert s.release("b") and s.release("c")
         with pytest.raises(HandoffError):
@@ -128,10 +130,10 @@ def test_full_arena_fallback_reaches_another_process(tmp_path):
     with HandoffSender(arena_bytes=1 << 20) as s:
         a = kv(5, 1024)
         h = s.stage("big", a, meta={"out": str(tmp_path / "big.npy")})
-        assert h["kind"] == "tcp"
+        assert h.kind == "tcp"
         p = _spawn(_RECEIVER, "auto")
         try:
-            p.stdin.write(json.dumps(h) + "\n")
+            p.stdin.write(msgspec.json.encode(h).decode() + "\n")
             p.stdin.close()
             assert json.loads(p.stdout.readline())["path"] == "tcp"
             assert p.wait(20) == 0
@@ -158,15 +160,17 @@ def test_other_host_uses_tcp_and_errors():
     with HandoffSender(arena_bytes=1 << 20) as s, HandoffReceiver() as r:
         a = kv(9, 8)
         h = s.stage("q", a)
-        foreign = dict(h, host_id="elsewhere/boot")
+        foreign = replace(h, host_id="elsewhere/boot")
         assert r.path_for(foreign) == "tcp"
         assert r.fetch(foreign).tobytes() == a.tobytes()
         with pytest.raises(ValueError):
             s.stage("q", a)
         with pytest.raises(HandoffError):
-            r.fetch(dict(h, kind="tcp", request_id="nope"))
+            r.fetch(replace(h, kind="tcp", request_id="nope"))
         with pytest.raises(HandoffError):
-            r.fetch(dict(h, shape=[1]))
+            r.fetch(replace(h, shape=(1,)))
+        with pytest.raises(HandoffError):  # a JSON handle that is not one: refused, named
+            r.fetch({"kind": "shm", "nbytes": "many"})
         # empty arrays and torch tensors
         e = s.stage("empty", np.zeros((0, 4), np.float32))
         assert r.fetch(e).shape == (0, 4)
@@ -174,16 +178,16 @@ def test_other_host_uses_tcp_and_errors():
         t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         assert np.array_equal(r.fetch(s.stage("t", t)), t.numpy())
     with pytest.raises(HandoffError):
-        HandoffReceiver(timeout_s=0.5).fetch(dict(h, kind="tcp"))  # sender closed
+        HandoffReceiver(timeout_s=0.5).fetch(replace(h, kind="tcp"))  # sender closed
 
 
 def test_killed_sender_leaves_no_shared_memory_behind():
     """The arena is an anonymous memfd: SIGKILL of the sender frees it (no /dev/shm leftovers)."""
     import signal
-    code = ("import json, sys, numpy as np\n"
+    code = ("import json, sys, msgspec, numpy as np\n"
             "from cpd.worker.handoff import HandoffSender\n"
             "s = HandoffSender(arena_bytes=8 << 20)\n"
-            "print(json.dumps(s.stage('r', np.ones(1024, np.float32))), flush=True)\n"
+            "print(msgspec.json.encode(s.stage('r', np.ones(1024, np.float32))).decode(), flush=True)\n"
             "sys.stdin.readline()\n")
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -201,7 +205,7 @@ def test_killed_sender_leaves_no_shared_memory_behind():
 def test_handle_for_another_arena_is_refused():
     with HandoffSender(arena_bytes=4 << 20) as s:
         h = s.stage("r", np.arange(16, dtype=np.float32))
-        bad = dict(h, arena_id="0" * 32)
+        bad = replace(h, arena_id="0" * 32)
         with pytest.raises(HandoffError):
             HandoffReceiver().view(bad)
         assert np.array_equal(HandoffReceiver().view(h), np.arange(16, dtype=np.float32))

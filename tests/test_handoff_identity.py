@@ -9,6 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from msgspec.structs import replace
+
+from cpd.messages.handoff import HandoffHandle
 from cpd.worker.handoff import HandoffReceiver, HandoffSender, HandoffStaleError
 
 
@@ -22,7 +25,7 @@ def pair():
         yield s, r, rt
 
 
-def _reclaim_and_restage(s: HandoffSender, rid_old: str, rid_new: str, arr: np.ndarray) -> dict:
+def _reclaim_and_restage(s: HandoffSender, rid_old: str, rid_new: str, arr: np.ndarray) -> HandoffHandle:
     assert s.reclaim(max_age_s=0.0) >= 1  # the old staging is reclaimed ...
     return s.stage(rid_new, arr)          # ... and its region handed to another request
 
@@ -32,7 +35,7 @@ def test_reclaimed_and_restaged_region_is_refused(pair, reader):
     s, r, rt = pair
     old = s.stage("req-a", kv(1))
     new = _reclaim_and_restage(s, "req-a", "req-b", kv(2))
-    assert new["offset"] == old["offset"]  # same region: the old code read req-b's KV here
+    assert new.offset == old.offset  # same region: the old code read req-b's KV here
     with pytest.raises(HandoffStaleError):
         {"fetch": r.fetch, "view": r.view, "tcp": rt.fetch}[reader](old)
     assert r.fetch(new).tobytes() == kv(2).tobytes()  # the live staging still reads fine
@@ -50,7 +53,7 @@ def test_restaged_with_identical_bytes_is_still_refused(pair):
 def test_released_region_is_refused(pair):
     s, r, rt = pair
     h = s.stage("req-a", kv(4))
-    assert s.release("req-a", h["generation"])
+    assert s.release("req-a", h.generation)
     for reader in (r.fetch, r.view, rt.fetch):
         with pytest.raises(HandoffStaleError):
             reader(h)
@@ -63,7 +66,7 @@ def test_payload_not_matching_checksum_is_refused(pair):
     b = s.stage("req-b", kv(6))
     for reader in (r.fetch, rt.fetch):
         with pytest.raises(HandoffStaleError):
-            reader(dict(b, checksum=a["checksum"]))
+            reader(replace(b, checksum=a.checksum))
 
 
 def test_reused_request_id_over_tcp(pair):
@@ -82,12 +85,12 @@ def test_reused_request_id_over_tcp(pair):
 def test_late_release_never_frees_a_newer_staging(pair):
     s, r, _ = pair
     old = s.stage("req-a", kv(9))
-    assert s.release("req-a", old["generation"])
+    assert s.release("req-a", old.generation)
     new = s.stage("req-a", kv(10))
-    assert not s.release("req-a", old["generation"])  # the late release of the first staging
+    assert not s.release("req-a", old.generation)  # the late release of the first staging
     assert s.stats()["num_staged"] == 1
     assert r.fetch(new).tobytes() == kv(10).tobytes()
-    assert s.release("req-a", new["generation"])
+    assert s.release("req-a", new.generation)
 
 
 def test_concurrent_restaging_never_returns_foreign_bytes():

@@ -22,7 +22,8 @@ import uvicorn
 from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cpd.router.openai_api import create_app
 from cpd.router.protocol import (BackendError, GenerationBackend, GenerationChunk,
-                                 GenerationRequest, SamplingOptions)
+                                 GenerationRequest)
+from cpd.messages.sampling import SamplingParams
 from cpd.router.tokenization import load_tokenizer
 
 MODEL = "smollm2-135m-test"
@@ -222,8 +223,8 @@ def test_completion_text_prompt(client, be, tok):
     assert r.object == "text_completion" and r.model == MODEL
     assert req.prompt_token_ids == tok.encode_prompt("The capital of France is")
     assert req.endpoint == "completions" and req.cache_salt == "tenant-a"
-    assert req.sampling == SamplingOptions(max_tokens=100, temperature=0.5, top_p=0.9, seed=7,
-                                           ignore_eos=False, stop_token_ids=[])
+    assert req.sampling == SamplingParams(max_tokens=100, temperature=0.5, top_p=0.9, seed=7,
+                                          ignore_eos=False, stop_token_ids=())
     assert r.choices[0].text == REPLY and r.choices[0].finish_reason == "stop"
     assert r.choices[0].index == 0
     n = len(req.prompt_token_ids)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cpd.policy.routing import (LinearCostModel, NoWorkerError, PrefixMatch, RoutingConfig, WorkerLoad, plan_loads,
-                                route)
+from cpd.policy.routing import (LinearCostModel, NoWorkerError, PrefixMatch, Recompute, RoutingConfig, WorkerLoad,
+                                plan_loads, route)
+from cpd.types import RequestClass, Role, Tier
 
 BS = 16
 COST = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0, l2_bytes_per_s=1e10,
@@ -43,10 +44,11 @@ def test_busy_cache_holder_loses_to_idle_worker_when_recompute_is_cheaper():
 def test_load_vs_recompute_cuts_a_slow_tier():
     cfg = RoutingConfig(block_size=BS)
     slow_l3 = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e6, l3_bytes_per_s=1e6)
-    plan, reasons = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, slow_l3)
-    assert (plan.l1_blocks, plan.l3_blocks) == (2, 0) and reasons == ["recompute-L3:8blk"]
-    plan, reasons = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, COST)
-    assert (plan.l1_blocks, plan.l3_blocks) == (2, 8) and reasons == []
+    plan, recompute = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, slow_l3)
+    assert (plan.l1_blocks, plan.l3_blocks) == (2, 0) and recompute == Recompute(Tier.L3, 8)
+    assert recompute.reason == "recompute-L3:8blk"  # the derived log string
+    plan, recompute = plan_loads("p0", PrefixMatch(l1={"p0": 2}, l3=10), 320, cfg, COST)
+    assert (plan.l1_blocks, plan.l3_blocks) == (2, 8) and recompute is None
 
 
 def test_tiers_combine_and_last_token_is_always_computed():
@@ -59,7 +61,7 @@ def test_fallbacks_and_errors():
     cfg = RoutingConfig(topology="cpd", block_size=BS)
     no_pre = [w for w in _workers() if w.role != "pre-prefill"]
     d = route(320, PrefixMatch(), no_pre, cfg, COST)
-    assert d.pool == "prefill" and "fallback:no-pre-prefill" in d.reasons
+    assert d.pool == "prefill" and d.fallback_from == Role.PRE_PREFILL and "fallback:no-pre-prefill" in d.reasons
     with pytest.raises(NoWorkerError):
         route(320, PrefixMatch(), [WorkerLoad("d0", "decode")], cfg, COST)
     unhealthy = [WorkerLoad(w.worker_id, w.role, healthy=w.role == "decode") for w in _workers()]

@@ -29,10 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
-ROLE_PRE_PREFILL = "pre-prefill"
-ROLE_PREFILL = "prefill"
-ROLE_DECODE = "decode"
-TIERS = ("L1", "L2", "L3")
+from cpd.types import PREFILL_SIDE_ROLES, RequestClass, Role, Tier, Topology
+
+ROLE_PRE_PREFILL = Role.PRE_PREFILL
+ROLE_PREFILL = Role.PREFILL
+ROLE_DECODE = Role.DECODE
+TIERS = tuple(Tier)
 
 
 class CostModel(Protocol):
@@ -44,7 +46,7 @@ class CostModel(Protocol):
         """Time to compute ``num_new_tokens`` on top of ``num_cached_tokens`` of prefix."""
         ...
 
-    def load_time_s(self, tier: str, num_bytes: int) -> float:
+    def load_time_s(self, tier: Tier, num_bytes: int) -> float:
         """Time to load ``num_bytes`` of KV from ``tier`` (``"L2"`` or ``"L3"``); L1 is free."""
         ...
 
@@ -66,7 +68,7 @@ class WorkerLoad:
     """
 
     worker_id: str
-    role: str
+    role: Role
     queued_prefill_tokens: int = 0
     running_requests: int = 0
     kv_usage: float = 0.0
@@ -97,7 +99,7 @@ class PrefixMatch:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    topology: str = "cpd"  # "cpd" | "pd"
+    topology: Topology = Topology.CPD
     cold_threshold: float = 0.5
     block_size: int = 16
 
@@ -119,27 +121,55 @@ class LoadPlan:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """The load-versus-recompute outcome that recomputes: ``num_blocks`` cached blocks of
+    ``tier`` (and every block after them) are recomputed instead of loaded, because loading them
+    would take longer."""
+
+    tier: Tier
+    num_blocks: int
+
+    @property
+    def reason(self) -> str:
+        return f"recompute-{self.tier}:{self.num_blocks}blk"
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     """Output of :func:`route`.
 
     Attributes:
-        request_class: ``cold`` | ``warm``.
+        request_class: cold or warm.
         pool: role of the chosen prefill-side pool.
         prefill_worker / decode_worker: chosen worker ids (decode may be None if no decode pool).
         load_plan: prefix blocks to load per tier on the chosen worker.
         reuse_ratio: best usable cached tokens / prompt tokens, in [0, 1].
         estimated_ttft_s: the policy's estimate for the chosen worker.
-        reasons: short strings for logs and metrics.
+        recompute: on the chosen worker, the cached tier segment recomputed instead of loaded
+            (None: every cached block it can use is loaded).
+        fallback_from: the pool the class asked for when it had no healthy worker (None: it had).
+        reasons: (derived) short strings for logs and ``/cpd/requests``; control flow and
+            metrics use the typed fields above.
     """
 
-    request_class: str
-    pool: str
+    request_class: RequestClass
+    pool: Role
     prefill_worker: str
     decode_worker: str | None
     load_plan: LoadPlan
     reuse_ratio: float
     estimated_ttft_s: float
-    reasons: tuple[str, ...] = ()
+    recompute: Recompute | None = None
+    fallback_from: Role | None = None
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        out = [f"{self.request_class}:reuse={self.reuse_ratio:.2f}"]
+        if self.fallback_from is not None:
+            out.append(f"fallback:no-{self.fallback_from}")
+        if self.recompute is not None:
+            out.append(self.recompute.reason)
+        return tuple(out)
 
 
 class NoWorkerError(RuntimeError):
@@ -147,8 +177,9 @@ class NoWorkerError(RuntimeError):
 
 
 def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: RoutingConfig,
-               cost: CostModel) -> tuple[LoadPlan, list[str]]:
-    """Load plan for one worker after the load-versus-recompute check.
+               cost: CostModel) -> tuple[LoadPlan, Recompute | None]:
+    """Load plan for one worker after the load-versus-recompute check, and the segment it
+    recomputes instead of loading (None if none).
 
     At most ``(num_prompt_tokens - 1) // block_size`` blocks are loaded: at least one
     prompt token is always computed, to produce the first output token's logits.
@@ -158,21 +189,21 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
     a = min(match.l1.get(worker_id, 0), cap)
     b = min(match.l2.get(worker_id, 0), cap)
     c = min(max(match.l3, match.l3_after.get(worker_id, 0)), cap)
-    reasons: list[str] = []
-    segments = [("L1", 0, a), ("L2", a, max(a, b)), ("L3", max(a, b), max(a, b, c))]
-    loaded = {"L1": 0, "L2": 0, "L3": 0}
+    recompute: Recompute | None = None
+    segments = [(Tier.L1, 0, a), (Tier.L2, a, max(a, b)), (Tier.L3, max(a, b), max(a, b, c))]
+    loaded = {Tier.L1: 0, Tier.L2: 0, Tier.L3: 0}
     for tier, lo, hi in segments:
         n = hi - lo
         if n <= 0:
             continue
-        if tier != "L1":
+        if tier != Tier.L1:
             t_load = cost.load_time_s(tier, n * bs * cost.kv_bytes_per_token)
             t_comp = cost.prefill_time_s(n * bs, lo * bs)
             if t_load >= t_comp:
-                reasons.append(f"recompute-{tier}:{n}blk")
+                recompute = Recompute(tier, n)
                 break
         loaded[tier] = n
-    return LoadPlan(loaded["L1"], loaded["L2"], loaded["L3"]), reasons
+    return LoadPlan(loaded[Tier.L1], loaded[Tier.L2], loaded[Tier.L3]), recompute
 
 
 def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig,
@@ -182,7 +213,7 @@ def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg:
         t = w.queued_prefill_s
     else:
         t = cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
-    for tier, n in (("L2", plan.l2_blocks), ("L3", plan.l3_blocks)):
+    for tier, n in ((Tier.L2, plan.l2_blocks), (Tier.L3, plan.l3_blocks)):
         if n:
             t += cost.load_time_s(tier, n * cfg.block_size * cost.kv_bytes_per_token)
     return t + cost.prefill_time_s(num_prompt_tokens - cached, cached)
@@ -208,18 +239,18 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
     Raises:
         NoWorkerError: no healthy prefill-side worker.
     """
-    prefill_side = [w for w in loads if w.healthy and w.role in (ROLE_PRE_PREFILL, ROLE_PREFILL)]
+    prefill_side = [w for w in loads if w.healthy and w.role in PREFILL_SIDE_ROLES]
     if not prefill_side:
         raise NoWorkerError("no healthy prefill or pre-prefill worker")
     plans = {w.worker_id: plan_loads(w.worker_id, match, num_prompt_tokens, cfg, cost) for w in prefill_side}
     best_cached = max(p.num_cached_blocks for p, _ in plans.values()) * cfg.block_size
     reuse = min(1.0, best_cached / max(1, num_prompt_tokens))
-    cls = "warm" if reuse >= cfg.cold_threshold else "cold"
-    want = ROLE_PRE_PREFILL if (cfg.topology == "cpd" and cls == "cold") else ROLE_PREFILL
+    cls = RequestClass.WARM if reuse >= cfg.cold_threshold else RequestClass.COLD
+    want = Role.PRE_PREFILL if (cfg.topology == Topology.CPD and cls == RequestClass.COLD) else Role.PREFILL
     pool = [w for w in prefill_side if w.role == want]
-    reasons = [f"{cls}:reuse={reuse:.2f}"]
+    fallback_from = None
     if not pool:
-        reasons.append(f"fallback:no-{want}")
+        fallback_from = want
         pool = prefill_side
     scored = []
     for w in pool:
@@ -227,8 +258,8 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
         t = _estimate_ttft_s(w, plan, num_prompt_tokens, cfg, cost)
         scored.append((t, w.running_requests, w.worker_id, plan, w.role))
     t, _, wid, plan, role = min(scored)
-    reasons.extend(plans[wid][1])
-    return RouteDecision(cls, role, wid, _pick_decode(loads), plan, reuse, t, tuple(reasons))
+    return RouteDecision(cls, Role(role), wid, _pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
+                         fallback_from=fallback_from)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       ValidationError)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cpd.messages.sampling import SamplingParams
 from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cpd.router.errors import (INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid,
                                type_for_status)
@@ -82,7 +83,7 @@ from cpd.router.openapi import install_openapi
 from cpd.router.request_body import (DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading,
                                      read_json_body)
 from cpd.router.protocol import (BackendError, GenerationBackend, GenerationChunk,
-                                 GenerationRequest, SamplingOptions)
+                                 GenerationRequest)
 from cpd.router.tokenization import MessageError, Tokenizer, load_tokenizer, normalize_messages
 
 log = logging.getLogger("cpd.router.openai_api")
@@ -220,7 +221,7 @@ class _Prepared:
     request_id: str
     created: int
     prompt_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingParams
     stops: list[str]
     stream: bool
     include_usage: bool
@@ -603,9 +604,9 @@ class OpenAIFront:
                           f"length of the {prompt_param} or completion.",
                           mt_param, "context_length_exceeded")
 
-        sampling = SamplingOptions(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
-                                   seed=req.seed, ignore_eos=bool(req.ignore_eos),
-                                   stop_token_ids=stop_ids)
+        sampling = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
+                                  seed=req.seed, ignore_eos=bool(req.ignore_eos),
+                                  stop_token_ids=tuple(stop_ids))
         prefix = "chatcmpl-" if chat else "cmpl-"
         return _Prepared(endpoint="chat.completions" if chat else "completions",
                          request_id=prefix + uuid.uuid4().hex, created=int(time.time()),

@@ -21,32 +21,11 @@ runs on ``aclose()`` (``GeneratorExit``) and on task cancellation (``CancelledEr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Protocol, runtime_checkable
+
+from cpd.messages.sampling import SamplingParams
 
 FINISH_REASONS = ("stop", "length")
-
-
-@dataclass
-class SamplingOptions:
-    """Sampling parameters, already validated by the front.
-
-    - ``max_tokens``: most new tokens to generate, ``>= 1``; the backend finishes with
-      ``"length"`` when it reaches it.
-    - ``temperature``: ``0 <= t <= 2``; ``0`` means greedy.
-    - ``top_p``: nucleus mass, ``0 < p <= 1``.
-    - ``seed``: per-request RNG seed, or ``None``.
-    - ``ignore_eos``: if true the backend does not stop on EOS (only on ``max_tokens``
-      or ``stop_token_ids``).
-    - ``stop_token_ids``: extra token ids that end generation with ``"stop"`` (the stop
-      token is included in the yielded ids; the front drops special tokens from text).
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -62,11 +41,13 @@ class GenerationRequest:
     - ``endpoint``: ``"completions"`` or ``"chat.completions"`` (for metrics / logs).
     - ``arrival_time``: ``time.monotonic()`` seconds when the HTTP request arrived at the
       router (for TTFT accounting).
+    - ``sampling``: the one sampling type (:class:`cpd.messages.sampling.SamplingParams`),
+      validated by its constructor; ``max_tokens`` is always set by the front.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingParams
     cache_salt: str | None = None
     endpoint: str = "completions"
     arrival_time: float | None = None
@@ -131,5 +112,5 @@ class BackendError(Exception):
                 f"message={self.message!r}, retry_after_s={self.retry_after_s})")
 
 
-__all__ = ["SamplingOptions", "GenerationRequest", "GenerationChunk", "GenerationBackend",
+__all__ = ["GenerationRequest", "GenerationChunk", "GenerationBackend",
            "BackendError", "FINISH_REASONS"]

@@ -1,50 +1,64 @@
 """A worker process: one role, one engine, an internal HTTP API for the router.
 
-Internal API (JSON; not OpenAI — only the router calls it):
+Internal API (JSON; not OpenAI — only the router calls it). Every body is a typed message of
+:mod:`cpd.messages.worker_api` (the table there maps endpoints to messages); a body that does not
+decode into its message answers 400 ``{"error": "<message>: <what is wrong, at which field>"}``.
 
-- ``POST /prefill``  body: request_id, prompt_token_ids, sampling, cache_salt,
-  max_l3_blocks, write_through. Runs the prompt to its first token, stages the
-  request's KV for handoff and answers ``{first_token_ids, finish_reason,
-  num_cached_tokens_by_tier, handoff, prefill_s, queue_s, kv_bytes}``. If the caller
-  disconnects first, the request is aborted and its blocks freed.
-- ``POST /decode``   body: request_id, token_ids (prompt + first token), sampling,
-  handoff. Fetches the KV (shared memory on one host, TCP otherwise) as a verified copy
-  (the handle's generation and checksum, :mod:`cpd.worker.handoff`), continues decoding and
-  streams NDJSON lines ``{"token_ids": [...], "finish_reason": ...}``; an empty line is a
-  heartbeat, sent every ``DECODE_HEARTBEAT_S`` without output, so the router can bound idle
-  time without knowing how long this worker queues the request. A handle that no longer
-  names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable sender
-  502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
-- ``POST /handoff/release`` body: request_id, generation — frees that staging only.
-- ``GET /info`` — role, KV namespace, max_model_len, boot id (see :func:`worker_info`).
-- ``GET /load``, ``GET /health``, ``GET /kv_snapshot``, ``POST /reset_prefix_cache``.
+- ``POST /prefill`` (:class:`PrefillRequest` → :class:`PrefillResponse`): runs the prompt to its
+  first token and stages the request's KV for handoff. If the caller disconnects first, the
+  request is aborted and its blocks freed.
+- ``POST /decode`` (:class:`DecodeRequest` → NDJSON :class:`DecodeLine`\ s): fetches the KV
+  (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
+  checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; an
+  empty line is a heartbeat, sent every ``DECODE_HEARTBEAT_S`` without output, so the router can
+  bound idle time without knowing how long this worker queues the request. A handle that no
+  longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
+  sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
+- ``POST /handoff/release`` (:class:`HandoffRelease`) — frees that staging only.
+- ``GET /info`` (:class:`WorkerInfoReport`), ``GET /load`` (:class:`LoadReport`), ``GET /health``,
+  ``GET /kv_snapshot`` (:class:`KvSnapshot`), ``GET /l3_snapshot`` (:class:`L3Snapshot`),
+  ``POST /reset_prefix_cache`` (:class:`Ack`).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
 
 import httpx
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cpd.messages.handoff import HandoffHandle, HandoffRelease
+from cpd.messages.worker_api import (Ack, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot, L3Observation,
+                                     L3Snapshot, LoadReport, MalformedBody, PrefillRequest, PrefillResponse,
+                                     WorkerHealth, WorkerInfoReport, decode_body, encode)
+from cpd.types import Role, Tier
 from cpd.worker.runtime import EngineRunner
 
 
-def _sampling(d: dict[str, Any]):
-    from cpd.engine.sampling import SamplingParams
-    return SamplingParams(**d)
+def _reply(msg: Any, status_code: int = 200) -> Response:
+    """A typed message as a JSON response."""
+    return Response(encode(msg), status_code=status_code, media_type="application/json")
+
+
+def _error(error: str, status_code: int, code: str | None = None) -> Response:
+    return _reply(ErrorBody(error, code), status_code)
+
+
+async def _read(request: Request, typ: type):
+    """The request body decoded into ``typ``; :class:`MalformedBody` if it does not fit."""
+    return decode_body(await request.body(), typ)
 
 
 class WorkerState:
     """Everything one worker process holds."""
 
-    def __init__(self, role: str, worker_id: str, engine, runner: EngineRunner, handoff_sender, handoff_receiver,
+    def __init__(self, role: Role | str, worker_id: str, engine, runner: EngineRunner, handoff_sender, handoff_receiver,
                  publisher, connector=None):
-        self.role = role
+        self.role = Role(role)
         self.worker_id = worker_id
         self.engine = engine
         self.runner = runner
@@ -56,7 +70,7 @@ class WorkerState:
         self.boot_id = uuid.uuid4().hex  # tells the router this process restarted (it rechecks /info)
         self.model_name = ""
         self._fallbacks_reported: dict[str, int] = {}
-        self._transfers_reported: dict[str, tuple[int, float]] = {}
+        self._transfers_reported: dict[Tier, tuple[int, float]] = {}
 
     def new_fallbacks(self) -> dict[str, int]:
         """Connector fallbacks (by kind) since the last call — the router sums them, so
@@ -66,31 +80,36 @@ class WorkerState:
         self._fallbacks_reported = now
         return {k: v for k, v in delta.items() if v > 0}
 
-    def new_transfers(self) -> dict[str, list]:
-        """Bytes loaded and seconds spent per tier since the last call: ``{"L2": [bytes, s],
-        "L3": [bytes, s]}`` (L2 = host-pool promotions, L3 = store loads)."""
-        now = {"L2": (self.engine.l2_load_bytes, self.engine.l2_load_seconds)}
+    def new_transfers(self) -> dict[Tier, tuple[int, float]]:
+        """Bytes loaded and seconds spent per tier since the last call: ``{L2: (bytes, s),
+        L3: (bytes, s)}`` (L2 = host-pool promotions, L3 = store loads)."""
+        now = {Tier.L2: (self.engine.l2_load_bytes, self.engine.l2_load_seconds)}
         if self.connector is not None:
-            now["L3"] = (self.connector.load_bytes, self.connector.load_seconds)
+            now[Tier.L3] = (self.connector.load_bytes, self.connector.load_seconds)
         out = {}
         for tier, (b, t) in now.items():
             b0, t0 = self._transfers_reported.get(tier, (0, 0.0))
             if b > b0:
-                out[tier] = [b - b0, t - t0]
+                out[tier] = (b - b0, t - t0)
         self._transfers_reported = now
         return out
 
 
-DECODE_HEARTBEAT_S = 0.5  # an empty NDJSON line after this long without a decode output
+def worker_report(st: WorkerState) -> WorkerInfoReport:
+    """Identity and capacity of this worker: the ``READY`` line and ``GET /info`` report it."""
+    import dataclasses
+    return WorkerInfoReport(worker_id=st.worker_id, role=st.role, boot_id=st.boot_id,
+                            model_name=getattr(st, "model_name", ""),
+                            namespace=dataclasses.asdict(st.engine.namespace),
+                            max_model_len=st.engine.max_model_len, kv_bytes_per_token=st.engine.kv_bytes_per_token)
 
 
 def worker_info(st: WorkerState) -> dict[str, Any]:
-    """Identity and capacity of this worker: the ``READY`` line and ``GET /info`` report it."""
-    import dataclasses
-    return {"worker_id": st.worker_id, "role": st.role, "boot_id": st.boot_id,
-            "model_name": getattr(st, "model_name", ""),
-            "namespace": dataclasses.asdict(st.engine.namespace), "max_model_len": st.engine.max_model_len,
-            "kv_bytes_per_token": st.engine.kv_bytes_per_token}
+    """:func:`worker_report` as JSON-ready builtins (the ``READY`` line adds ports to it)."""
+    return msgspec.to_builtins(worker_report(st))
+
+
+DECODE_HEARTBEAT_S = 0.5  # an empty NDJSON line after this long without a decode output
 
 
 async def _next_output(stream, request: Request, heartbeat_s: float | None = None):
@@ -127,15 +146,11 @@ def build_app(st: WorkerState) -> FastAPI:
     async def info():
         """What the router checks before using this worker (:mod:`cpd.router.compat`): role, KV
         namespace, max_model_len, boot id (new at every process start)."""
-        return worker_info(st)
+        return _reply(worker_report(st))
 
     @app.get("/load")
     async def load():
-        return {"role": st.role, "worker_id": st.worker_id, "boot_id": st.boot_id, **st.engine.load_stats(),
-                "pool": st.engine.pool_stats(), "handoff": st.sender.stats() if st.sender else None,
-                "handoff_received": st.receiver.stats() if st.receiver else None,
-                "fallbacks": dict(getattr(st.connector, "fallback_counts", {}) or {}),
-                "health": st.runner.health()}
+        return _reply(load_report(st))
 
     @app.get("/kv_snapshot")
     async def kv_snapshot():
@@ -144,7 +159,7 @@ def build_app(st: WorkerState) -> FastAPI:
                 snap = st.engine.cached_block_hashes()
                 return snap, st.publisher.flush() if st.publisher else -1
         snap, seq = await asyncio.to_thread(snapshot)
-        return {"seq": seq, "l1": snap.get("L1", []), "l2": snap.get("L2", [])}
+        return _reply(KvSnapshot(seq=seq, l1=snap.get(Tier.L1, []), l2=snap.get(Tier.L2, [])))
 
     @app.get("/l3_snapshot")
     async def l3_snapshot():
@@ -158,21 +173,33 @@ def build_app(st: WorkerState) -> FastAPI:
             with st.runner.engine_lock:
                 st.engine.reset_prefix_cache()
         await asyncio.to_thread(reset)
-        return {"ok": True}
+        return _reply(Ack())
 
     @app.post("/prefill")
-    async def prefill(body: dict, request: Request):
+    async def prefill(request: Request):
+        try:
+            body = await _read(request, PrefillRequest)
+        except MalformedBody as e:
+            return _error(f"bad prefill request: {e}", 400)
         return await _prefill(st, body, request)
 
     @app.post("/handoff/release")
-    async def release(body: dict):
+    async def release(request: Request):
         """Free one staging; with ``generation`` only if it is still that staging."""
+        try:
+            body = await _read(request, HandoffRelease)
+        except MalformedBody as e:
+            return _error(f"bad release request: {e}", 400)
         if st.sender is not None:
-            st.sender.release(body["request_id"], body.get("generation"))
-        return {"ok": True}
+            st.sender.release(body.request_id, body.generation)
+        return _reply(Ack())
 
     @app.post("/decode")
-    async def decode(body: dict, request: Request):
+    async def decode(request: Request):
+        try:
+            body = await _read(request, DecodeRequest)
+        except MalformedBody as e:
+            return _error(f"bad decode request: {e}", 400)
         return await _decode(st, body, request)
 
     @app.on_event("shutdown")
@@ -182,27 +209,35 @@ def build_app(st: WorkerState) -> FastAPI:
     return app
 
 
-async def _prefill(st: WorkerState, body: dict, request: Request):
+def load_report(st: WorkerState) -> LoadReport:
+    """Load figures, pool accounting, handoff staging, fallback counts and health (``GET /load``)."""
+    return LoadReport(role=st.role, worker_id=st.worker_id, boot_id=st.boot_id, **st.engine.load_stats(),
+                      pool=st.engine.pool_stats(), handoff=st.sender.stats() if st.sender else None,
+                      handoff_received=st.receiver.stats() if st.receiver else None,
+                      fallbacks=dict(getattr(st.connector, "fallback_counts", {}) or {}),
+                      health=msgspec.convert(st.runner.health(), WorkerHealth))
+
+
+async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
     """Run the prompt to its first token and stage its KV. Whatever goes wrong after the
     request entered the engine (client gone, engine error, bug), it is aborted and its staged
     KV released, so no block outlives the call."""
     from cpd.engine.engine import EngineRequest
-    rid = body["request_id"]
+    rid = body.request_id
     t0 = time.monotonic()
     try:
-        ereq = EngineRequest(request_id=rid, prompt_token_ids=body["prompt_token_ids"],
-                             sampling=_sampling(body["sampling"]), cache_salt=body.get("cache_salt"),
-                             mode="prefill", max_l3_blocks=body.get("max_l3_blocks"),
-                             write_through=bool(body.get("write_through", False)))
+        ereq = EngineRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids, sampling=body.sampling,
+                             cache_salt=body.cache_salt, mode="prefill", max_l3_blocks=body.max_l3_blocks,
+                             write_through=body.write_through)
         stream = st.runner.submit(ereq)
-    except (KeyError, TypeError, ValueError) as e:
-        return JSONResponse({"error": f"bad prefill request: {e!r}"}, status_code=400)
+    except (TypeError, ValueError) as e:
+        return _error(f"bad prefill request: {e!r}", 400)
     try:
         return await _prefill_and_stage(st, rid, stream, request, t0)
     except RuntimeError as e:  # the engine failed this step
         st.runner.abort(rid)
         st.sender.release(rid)
-        return JSONResponse({"error": str(e)}, status_code=500)
+        return _error(str(e), 500)
     except BaseException:
         st.runner.abort(rid)
         st.sender.release(rid)
@@ -211,56 +246,56 @@ async def _prefill(st: WorkerState, body: dict, request: Request):
         st.runner.close_stream(rid)
 
 
-async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request, t0: float) -> dict:
+async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request, t0: float) -> Response:
     out = await _next_output(stream, request)
     prefill_s = time.monotonic() - t0
     handoff = out.finish_reason == "handoff"
-    resp = {"first_token_ids": list(out.new_token_ids), "finish_reason": None if handoff else out.finish_reason,
-            "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier or {}, "prefill_s": prefill_s,
-            "queue_s": out.queue_s, "compute_s": prefill_s - (out.queue_s or 0.0), "handoff": None, "kv_bytes": 0,
-            "fallback": st.new_fallbacks(), "transfers": st.new_transfers(),
-            "l3_observations": _drain_l3_observations(st)}
+    resp = PrefillResponse(
+        first_token_ids=list(out.new_token_ids), finish_reason=None if handoff else out.finish_reason,
+        num_cached_tokens_by_tier={Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()},
+        prefill_s=prefill_s, queue_s=out.queue_s, compute_s=prefill_s - (out.queue_s or 0.0),
+        fallback=st.new_fallbacks(), transfers=st.new_transfers(), l3_observations=_drain_l3_observations(st))
     if not handoff:  # the first token already ended the request; the engine freed its blocks
-        return resp
+        return _reply(resp)
 
     def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
         with st.runner.engine_lock:
             kv, token_ids = st.engine.export_kv(rid)
             st.engine.release(rid)
-        arr = kv.detach().cpu().numpy() if hasattr(kv, "numpy") else kv
+        arr = st.engine.arrays.to_numpy(kv)  # bf16 KV travels as its raw bits (int16; numpy has no bf16)
         return arr, token_ids, st.sender.stage(rid, arr)
 
     arr, token_ids, handle = await asyncio.to_thread(export_and_stage)
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
-        st.sender.release(rid, handle["generation"])
-    handle["release_url"] = f"{_self_url(request)}/handoff/release"
-    resp.update(handoff=handle, kv_bytes=int(arr.nbytes), token_ids=list(token_ids))
-    return resp
+        st.sender.release(rid, handle.generation)
+    handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
+    return _reply(msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(arr.nbytes),
+                                          token_ids=list(token_ids)))
 
 
-def _drain_l3_observations(st: WorkerState) -> list[dict]:
+def _drain_l3_observations(st: WorkerState) -> list[L3Observation]:
     """What the L3 store showed since the last answer (router keeps its L3 view honest)."""
     drain = getattr(st.connector, "drain_observations", None)
-    return drain() if drain is not None else []
+    return msgspec.convert(drain(), list[L3Observation]) if drain is not None else []
 
 
 async def _l3_snapshot(st: WorkerState):
     store = getattr(st.connector, "store", None)
     if store is None:
-        return JSONResponse({"error": "no L3 store"}, status_code=404)
+        return _error("no L3 store", 404)
     from cpd.store import StoreUnavailable
     try:
         keys = await asyncio.to_thread(store.list_visible)
     except StoreUnavailable as e:
-        return JSONResponse({"error": f"L3 store unavailable: {e}"}, status_code=503)
-    return {"chunk_blocks": store.chunk_blocks, "chunks": [[int(h), int(n)] for h, n in keys]}
+        return _error(f"L3 store unavailable: {e}", 503)
+    return _reply(L3Snapshot(chunk_blocks=store.chunk_blocks, chunks=[(int(h), int(n)) for h, n in keys]))
 
 
 def _self_url(request: Request) -> str:
     return f"{request.url.scheme}://{request.url.netloc}"
 
 
-async def _decode(st: WorkerState, body: dict, request: Request):
+async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
     """Fetch the handoff as a verified private copy, then admit the request for decoding.
 
     A verified copy, not a zero-copy view of the sender's arena: the engine copies imported KV
@@ -269,45 +304,43 @@ async def _decode(st: WorkerState, body: dict, request: Request):
     and after, checksum of the copy) before the engine ever sees it (issue 7 §1). Its cost is
     one extra memcpy plus one xxh3 pass (benchmarks/bench_handoff.py)."""
     from cpd.worker.handoff import HandoffStaleError
-    rid = body["request_id"]
-    handle = body["handoff"]
+    rid = body.request_id
+    handle = body.handoff
     try:
         kv = await asyncio.to_thread(st.receiver.fetch, handle)
     except HandoffStaleError as e:  # released, reclaimed or restaged: never decode over it
-        return JSONResponse({"error": f"handoff stale: {e}", "code": "handoff_stale"}, status_code=410)
+        return _error(f"handoff stale: {e}", 410, "handoff_stale")
     except Exception as e:  # sender gone or bad handle: the router re-prefills elsewhere
-        asyncio.create_task(_release(st, handle, rid))
-        return JSONResponse({"error": f"handoff fetch failed: {e!r}", "code": "handoff_unavailable"},
-                            status_code=502)
+        asyncio.create_task(_release(st, handle))
+        return _error(f"handoff fetch failed: {e!r}", 502, "handoff_unavailable")
     stream = st.runner.open_stream(rid)
 
-    def add():
-        import torch
-        kv_t = torch.from_numpy(kv)
+    def add():  # the engine takes the numpy KV as its own kind of array (no torch in a modeled worker)
         with st.runner.engine_lock:
-            st.engine.add_decode_request(rid, body["token_ids"], kv_t, _sampling(body["sampling"]),
-                                         num_generated=int(body.get("num_generated", 1)),
-                                         cache_salt=body.get("cache_salt"))
+            st.engine.add_decode_request(rid, body.token_ids, kv, body.sampling,
+                                         num_generated=body.num_generated, cache_salt=body.cache_salt)
     try:
         await asyncio.to_thread(add)
     except ValueError as e:
         st.runner.close_stream(rid)
-        asyncio.create_task(_release(st, handle, rid))
-        return JSONResponse({"error": f"bad decode request: {e}"}, status_code=400)
+        asyncio.create_task(_release(st, handle))
+        return _error(f"bad decode request: {e}", 400)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
 
 
-async def _release(st: WorkerState, handle: dict, rid: str) -> None:
+async def _release(st: WorkerState, handle: HandoffHandle) -> None:
     """Release the sender's staging named by ``handle`` (that generation only)."""
+    if handle.release_url is None:
+        return  # the sender reclaims unreleased regions after a timeout
     try:
-        await st.http.post(handle["release_url"], json={"request_id": handle.get("request_id", rid),
-                                                        "generation": handle.get("generation")}, timeout=5.0)
-    except (httpx.HTTPError, KeyError):
+        await st.http.post(handle.release_url, content=encode(HandoffRelease(handle.request_id, handle.generation)),
+                           headers={"content-type": "application/json"}, timeout=5.0)
+    except httpx.HTTPError:
         pass  # the sender reclaims unreleased regions after a timeout
 
 
-async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, handle: dict):
+async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, handle: HandoffHandle):
     """Relay engine outputs as NDJSON, with an empty heartbeat line after each
     ``DECODE_HEARTBEAT_S`` without output. The sender's staging is released at the first output
     (held until then so that the router can retry this decode on another worker from the same
@@ -317,18 +350,18 @@ async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, ha
         while not finished:
             out = await _next_output(stream, request, heartbeat_s=DECODE_HEARTBEAT_S)
             if out is None:
-                yield "\n"
+                yield b"\n"
                 continue
             finished = out.finished
             if not released:
                 released = True
-                asyncio.create_task(_release(st, handle, rid))
-            yield json.dumps({"token_ids": list(out.new_token_ids), "finish_reason": out.finish_reason}) + "\n"
+                asyncio.create_task(_release(st, handle))
+            yield encode(DecodeLine(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason)) + b"\n"
     except RuntimeError as e:
-        yield json.dumps({"error": str(e)}) + "\n"
+        yield encode(DecodeLine(error=str(e))) + b"\n"
     finally:
         if not finished:
             st.runner.abort(rid)
         st.runner.close_stream(rid)
         if not released:  # aborted before its first output
-            asyncio.create_task(_release(st, handle, rid))
+            asyncio.create_task(_release(st, handle))

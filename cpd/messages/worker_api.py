@@ -1,0 +1,200 @@
+"""The router↔worker boundary: every body of the worker's internal HTTP API, typed.
+
+Both sides go through these structures: the worker decodes its input with
+:func:`decode_body` (a malformed body → 400 with msgspec's message, which names the field) and
+encodes its answers with :func:`encode`; the router decodes the answers with
+:func:`decode_body` too. JSON field names are the structures' field names.
+
+=============================  ========================  ===================================
+endpoint                       request body              answer
+=============================  ========================  ===================================
+``POST /prefill``              :class:`PrefillRequest`   :class:`PrefillResponse`
+``POST /decode``               :class:`DecodeRequest`    NDJSON :class:`DecodeLine` per line
+                                                         (an empty line is a heartbeat)
+``POST /handoff/release``      :class:`~cpd.messages.handoff.HandoffRelease`  :class:`Ack`
+``GET /load``                  –                         :class:`LoadReport`
+``GET /kv_snapshot``           –                         :class:`KvSnapshot`
+``GET /l3_snapshot``           –                         :class:`L3Snapshot`
+``GET /info``                  –                         :class:`WorkerInfoReport`
+``POST /reset_prefix_cache``   –                         :class:`Ack`
+any error                      –                         :class:`ErrorBody`
+=============================  ========================  ===================================
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from cpd.messages.handoff import HandoffHandle, HandoffRelease
+from cpd.messages.sampling import SamplingParams
+from cpd.types import BlockHash, Role, Tier
+
+T = TypeVar("T")
+
+ChunkKey = tuple[BlockHash, int]
+"""An L3 chunk: ``(hash of its last block, number of blocks)``."""
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Run a prompt to its first token and stage its KV for handoff.
+
+    ``max_l3_blocks``: load at most this many leading blocks from L3 (the policy chose to
+    recompute the rest); None = as many as the store has. ``write_through``: also write every
+    full prompt block to L3 (the pre-prefill pool)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None = None
+    max_l3_blocks: int | None = None
+    write_through: bool = False
+
+
+class L3Observation(msgspec.Struct, frozen=True):
+    """What one L3 store call saw (:class:`cpd.store.base.Observation`): for each hash in
+    ``block_hashes``, the chunks ending at it are exactly ``present``; ``gone`` were found
+    missing or corrupt."""
+
+    block_hashes: list[BlockHash]
+    present: list[ChunkKey]
+    gone: list[ChunkKey] = []
+
+
+class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of ``POST /prefill``.
+
+    ``finish_reason`` is None when the request continues on a decode worker (``handoff`` set,
+    ``token_ids`` = prompt + first token, ``kv_bytes`` staged); else the first token ended it.
+    ``num_cached_tokens_by_tier``: prompt tokens whose KV came from each tier. Times in seconds:
+    ``prefill_s`` the whole call, ``queue_s`` waiting in the engine, ``compute_s`` the rest.
+    ``fallback``: connector fallbacks by kind since the last answer; ``transfers``: per tier,
+    ``(bytes, seconds)`` loaded since the last answer; ``l3_observations``: what the store showed."""
+
+    first_token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens_by_tier: dict[Tier, int] = {}
+    prefill_s: float
+    queue_s: float | None = None
+    compute_s: float | None = None
+    handoff: HandoffHandle | None = None
+    kv_bytes: int = 0
+    token_ids: list[int] | None = None
+    fallback: dict[str, int] = {}
+    transfers: dict[Tier, tuple[int, float]] = {}
+    l3_observations: list[L3Observation] = []
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.num_cached_tokens_by_tier.values())
+
+
+class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Fetch the staged KV named by ``handoff`` and continue decoding ``token_ids`` (prompt +
+    the ``num_generated`` tokens already generated)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    handoff: HandoffHandle
+    num_generated: int = 1
+    cache_salt: str | None = None
+
+
+class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One NDJSON line of ``POST /decode``: new tokens, the finish reason on the last one, or
+    ``error`` (the request failed on the worker)."""
+
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class WorkerHealth(msgspec.Struct, frozen=True):
+    """The worker's own verdict (:class:`cpd.worker.runtime.StepHealth`)."""
+
+    healthy: bool = True
+    consecutive_failed_steps: int = 0
+    num_failed_steps: int = 0
+    last_error: str | None = None
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of ``GET /load``: load figures the router routes by, plus accounting for
+    operators and tests (``pool``: L1/L2 pool stats; ``handoff`` / ``handoff_received``: the
+    handoff sender's and receiver's stats; ``fallbacks``: connector fallback counts)."""
+
+    role: Role
+    worker_id: str
+    boot_id: str
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_usage: float = 0.0
+    pool: dict[str, Any] = {}
+    handoff: dict[str, Any] | None = None
+    handoff_received: dict[str, Any] | None = None
+    fallbacks: dict[str, int] = {}
+    health: WorkerHealth = WorkerHealth()
+
+
+class KvSnapshot(msgspec.Struct, frozen=True):
+    """Answer of ``GET /kv_snapshot``: block hashes in L1 and L2 as of event sequence ``seq``."""
+
+    seq: int
+    l1: list[BlockHash]
+    l2: list[BlockHash]
+
+
+class L3Snapshot(msgspec.Struct, frozen=True):
+    """Answer of ``GET /l3_snapshot``: every visible L3 chunk (a store listing)."""
+
+    chunk_blocks: int
+    chunks: list[ChunkKey]
+
+
+class WorkerInfoReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of ``GET /info`` (and the worker's ``READY`` line): identity and capacity.
+    ``namespace``: the fields of :class:`cpd.kv.block_hash.Namespace`."""
+
+    worker_id: str
+    role: Role
+    boot_id: str
+    model_name: str = ""
+    namespace: dict[str, Any]
+    max_model_len: int
+    kv_bytes_per_token: int
+
+
+class Ack(msgspec.Struct, frozen=True):
+    ok: bool = True
+
+
+class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Any non-200 answer: ``code`` is machine-readable where the router acts on it
+    (``handoff_stale`` 410, ``handoff_unavailable`` 502)."""
+
+    error: str
+    code: str | None = None
+
+
+class MalformedBody(ValueError):
+    """A body that does not decode into its message type (the message names the field)."""
+
+
+def decode_body(data: bytes, typ: type[T]) -> T:
+    """Decode JSON ``data`` into ``typ``; :class:`MalformedBody` if it does not fit."""
+    try:
+        return msgspec.json.decode(data, type=typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise MalformedBody(f"{typ.__name__}: {e}") from None
+
+
+def encode(msg: Any) -> bytes:
+    """JSON bytes of a message (enums as their values)."""
+    return msgspec.json.encode(msg)
+
+
+__all__ = ["PrefillRequest", "PrefillResponse", "L3Observation", "DecodeRequest", "DecodeLine", "LoadReport",
+           "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "Ack", "ErrorBody", "HandoffHandle",
+           "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode"]

@@ -1,0 +1,100 @@
+"""One ``POST /decode`` stream, relayed: the decode worker's NDJSON lines
+(:class:`cpd.messages.worker_api.DecodeLine`) become :class:`GenerationChunk` values.
+
+Every wait is bounded (:class:`cpd.router.timeouts.DispatchTimeouts`): the decode slot until the
+staging's deadline, the response headers, then each line (the worker sends an empty heartbeat
+line while the request waits in its queue). What a retry can fix raises :class:`DecodeFailed`
+(the worker failed in transport or time: ``worker_failed``; the staging is gone:
+``handoff_lost``); the rest raises :class:`BackendError`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import httpx
+
+from cpd.messages.worker_api import (DecodeLine, DecodeRequest, ErrorBody, MalformedBody, decode_body, encode)
+from cpd.router.metrics import RouterMetrics
+from cpd.router.protocol import BackendError, GenerationChunk
+from cpd.router.timeouts import DispatchTimeouts
+from cpd.router.workers import WorkerInfo
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+class DecodeFailed(Exception):
+    """A decode attempt failed in a way a retry can fix: the worker failed (transport error,
+    timeout) or the staging is gone (``handoff_lost``: re-prefill)."""
+
+    def __init__(self, msg: str, worker_failed: bool = False, handoff_lost: bool = False):
+        super().__init__(msg)
+        self.worker_failed, self.handoff_lost = worker_failed, handoff_lost
+
+
+async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, metrics: RouterMetrics,
+                       w: WorkerInfo, slots: asyncio.Semaphore, body: DecodeRequest, staging_deadline: float,
+                       kv_bytes: int) -> AsyncIterator[GenerationChunk]:
+    """Take a decode slot on ``w`` (waiting at most until ``staging_deadline``, router monotonic
+    clock), send ``body`` and yield its tokens until the finish reason."""
+    try:  # a free slot is taken at once; a wait for one ends before the staging's deadline
+        await asyncio.wait_for(slots.acquire(), None if not slots.locked() else
+                               max(0.0, staging_deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        metrics.fallbacks.labels("decode_slot_timeout").inc()
+        raise BackendError(f"no decode slot on {w.worker_id} within the handoff staging's lifetime "
+                           "(decode pool saturated)", 503, "service_unavailable", retry_after_s=1) from None
+    w.running_requests += 1
+    r = None
+    try:
+        first_byte_s = timeouts.decode_first_byte_s(kv_bytes)
+        http_req = client.build_request("POST", f"{w.url}/decode", content=encode(body), headers=JSON_HEADERS,
+                                        timeout=timeouts.httpx(max(first_byte_s, timeouts.decode_idle_s)))
+        r = await asyncio.wait_for(client.send(http_req, stream=True), timeouts.connect_s + first_byte_s)
+        if r.status_code != 200:
+            await _decode_refused(metrics, w.worker_id, r)
+        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id):
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+    except (httpx.TransportError, asyncio.TimeoutError) as e:
+        raise DecodeFailed(f"{type(e).__name__}: {e}", worker_failed=True) from e
+    finally:
+        w.running_requests -= 1
+        slots.release()
+        if r is not None:
+            await r.aclose()
+
+
+async def _lines(r: httpx.Response, idle_s: float, worker_id: str) -> AsyncIterator[GenerationChunk]:
+    """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped)."""
+    lines = r.aiter_lines().__aiter__()
+    while True:
+        try:
+            line = await asyncio.wait_for(lines.__anext__(), idle_s)
+        except StopAsyncIteration:
+            raise DecodeFailed("stream ended without a finish_reason", worker_failed=True) from None
+        if not line:
+            continue  # heartbeat
+        try:
+            msg = decode_body(line.encode(), DecodeLine)
+        except MalformedBody as e:
+            raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
+        if msg.error is not None:
+            raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
+        yield GenerationChunk(token_ids=msg.token_ids, finish_reason=msg.finish_reason)
+
+
+async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Response) -> None:
+    """A non-200 answer to ``POST /decode``: a lost staging is retryable, the rest is not."""
+    raw = await r.aread()
+    text = raw[:300].decode(errors="replace")
+    try:
+        code = decode_body(raw, ErrorBody).code
+    except MalformedBody:
+        code = None
+    if r.status_code == 410 or code in ("handoff_stale", "handoff_unavailable"):
+        metrics.fallbacks.labels("handoff_stale" if r.status_code == 410 else "handoff_unavailable").inc()
+        raise DecodeFailed(f"handoff lost ({r.status_code}): {text}", handoff_lost=True)
+    raise BackendError(f"decode worker {worker_id} error: {text}", 502, "server_error")

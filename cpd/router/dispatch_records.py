@@ -1,0 +1,101 @@
+"""What the router records about each dispatched request: Prometheus metrics
+(:class:`cpd.router.metrics.RouterMetrics`), the live cost model's observations
+(:class:`cpd.router.estimates.CostEstimates`) and the bounded routing records served at
+``GET /cpd/requests``. Everything here reads typed fields of the decision and of the worker's
+answer; the decision's ``reasons`` strings are only copied into the records for people."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict
+from typing import Any
+
+from cpd.messages.worker_api import PrefillResponse
+from cpd.policy.routing import RouteDecision
+from cpd.router.estimates import CostEstimates
+from cpd.router.metrics import RouterMetrics
+from cpd.types import Tier
+
+MAX_RECENT_REQUESTS = 1000
+
+
+def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision, pre: PrefillResponse,
+                   ttft_s: float, num_prompt_tokens: int) -> None:
+    """Metrics and cost-model observations of one finished prefill."""
+    m.routed.labels(d.request_class, d.pool).inc()
+    m.ttft_s.labels(d.request_class, d.pool).observe(ttft_s)
+    if pre.queue_s is not None:
+        m.queue_time_s.labels(d.pool).observe(pre.queue_s)
+    by_tier = pre.num_cached_tokens_by_tier
+    loaded = 0
+    for tier, n in by_tier.items():
+        if n:
+            m.prompt_tokens.labels(tier).inc(n)
+            m.prefix_hits.labels(tier).inc()
+            loaded += n
+    computed = max(0, num_prompt_tokens - loaded)
+    m.prompt_tokens.labels("computed").inc(computed)
+    bytes_per_token = estimates.model().kv_bytes_per_token
+    for tier in (Tier.L2, Tier.L3):
+        m.kv_bytes.labels(tier).inc(by_tier.get(tier, 0) * bytes_per_token)
+    for tier, (nbytes, seconds) in pre.transfers.items():
+        estimates.observe_transfer(tier, nbytes, seconds)
+    m.kv_bytes.labels("handoff").inc(pre.kv_bytes)
+    if d.recompute is not None:
+        m.load_decisions.labels(d.recompute.tier).inc()
+    for kind, n in pre.fallback.items():
+        m.fallbacks.labels(kind).inc(n)
+    estimates.observe_prefill(computed, loaded, pre.compute_s or pre.prefill_s)
+    cm = estimates.model()
+    m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
+    m.cost_bandwidth.labels(Tier.L2).set(cm.l2_bytes_per_s)
+    m.cost_bandwidth.labels(Tier.L3).set(cm.l3_bytes_per_s)
+
+
+class RecentRequests:
+    """The routing records of the last :data:`MAX_RECENT_REQUESTS` requests (``/cpd/requests``)."""
+
+    def __init__(self, max_requests: int = MAX_RECENT_REQUESTS):
+        self.max_requests = max_requests
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def remember(self, request_id: str, d: RouteDecision, pre: PrefillResponse, num_prompt_tokens: int,
+                 ttft_s: float) -> None:
+        self.records[request_id] = {
+            "class": str(d.request_class), "pool": str(d.pool), "prefill_worker": d.prefill_worker,
+            "decode_worker": d.decode_worker, "reuse_ratio": d.reuse_ratio, "reasons": list(d.reasons),
+            "load_plan": asdict(d.load_plan),
+            "cached_tokens_by_tier": {str(t): n for t, n in pre.num_cached_tokens_by_tier.items()},
+            "prompt_tokens": num_prompt_tokens, "ttft_s": ttft_s}
+        while len(self.records) > self.max_requests:
+            self.records.popitem(last=False)
+
+    def note_decode_retry(self, request_id: str, decode_worker: str | None, reprefills: int, error: str) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None:
+            rec["decode_worker"] = decode_worker
+            rec["reprefills"] = reprefills
+            rec.setdefault("decode_failures", []).append(error[:200])
+
+    def get(self, request_id: str) -> dict[str, Any] | None:
+        return self.records.get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.records
+
+    def __getitem__(self, request_id: str) -> dict[str, Any]:
+        return self.records[request_id]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def keys(self):
+        return self.records.keys()
+
+    def values(self):
+        return self.records.values()
+
+    def items(self):
+        return self.records.items()

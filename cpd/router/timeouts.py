@@ -1,0 +1,70 @@
+"""Time bounds of every router→worker call (issue 7 §3)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+import httpx
+
+
+@dataclass(frozen=True)
+class DispatchTimeouts:
+    """Time bounds of every router→worker call (issue 7 §3); all in seconds.
+
+    * Any call: TCP connect and connection-pool wait ≤ ``connect_s``.
+    * ``POST /prefill``: the whole answer within :meth:`prefill_s` =
+      ``min(prefill_cap_s, prefill_floor_s + prefill_slack × estimate)``, where ``estimate`` is
+      the policy's estimated TTFT on the chosen worker (its queue + loads + compute, from the
+      live cost model). Then the worker is excluded and the request retried elsewhere.
+    * ``POST /decode``: response headers (the worker fetched and admitted the KV) within
+      :meth:`decode_first_byte_s` = ``min(decode_cap_s, decode_floor_s + decode_slack × kv_bytes /
+      handoff_bytes_per_s)``; then at most ``decode_idle_s`` between NDJSON lines (decode workers
+      send a heartbeat line every 0.5 s while a request waits in their queue, so this bound is
+      independent of queueing).
+    * ``POST /handoff/release``: ``release_s``.
+    * Decode slot: a request waits at most until its staging's reclaim time minus
+      :meth:`staging_margin` (``min(staging_margin_s, lifetime / 4)``).
+
+    Worst case for one request: ``max_prefill_attempts`` prefill bounds, then per decode attempt
+    the first-byte bound (plus one re-prefill when the staging was lost). Overrides: the
+    ``CPD_DISPATCH_TIMEOUTS`` environment variable of the router, a JSON object of these fields.
+    """
+
+    connect_s: float = 3.0
+    prefill_floor_s: float = 30.0
+    prefill_slack: float = 4.0
+    prefill_cap_s: float = 900.0
+    decode_floor_s: float = 15.0
+    decode_slack: float = 4.0
+    decode_cap_s: float = 120.0
+    handoff_bytes_per_s: float = 1e9
+    decode_idle_s: float = 10.0
+    release_s: float = 5.0
+    staging_margin_s: float = 5.0
+    max_prefill_attempts: int = 2
+    max_decode_attempts: int = 3
+
+    def prefill_s(self, estimate_s: float) -> float:
+        return min(self.prefill_cap_s, self.prefill_floor_s + self.prefill_slack * max(0.0, estimate_s))
+
+    def decode_first_byte_s(self, kv_bytes: int) -> float:
+        return min(self.decode_cap_s, self.decode_floor_s + self.decode_slack * max(0, kv_bytes) / self.handoff_bytes_per_s)
+
+    def staging_margin(self, lifetime_s: float) -> float:
+        return min(self.staging_margin_s, lifetime_s / 4)
+
+    def httpx(self, read_s: float) -> httpx.Timeout:
+        return httpx.Timeout(read_s, connect=self.connect_s, pool=self.connect_s)
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "DispatchTimeouts":
+        raw = environ.get("CPD_DISPATCH_TIMEOUTS")
+        if not raw:
+            return cls()
+        known = {f.name: f.type for f in fields(cls)}
+        given = json.loads(raw)
+        unknown = set(given) - set(known)
+        if unknown:
+            raise ValueError(f"CPD_DISPATCH_TIMEOUTS: unknown fields {sorted(unknown)}")
+        return cls(**given)
