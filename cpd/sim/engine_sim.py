@@ -51,22 +51,23 @@ class VirtualClock:
         return s
 
 
-def block_tokens(block_id: int, block_size: int) -> list[int]:
+def block_tokens(block_id: int, block_size: int, vocab_size: int = VOCAB) -> list[int]:
     """The deterministic token ids of one trace block (a different run per block id)."""
     x = (block_id * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF
     out = []
     for _ in range(block_size):
         x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
-        out.append(1 + (x >> 33) % (VOCAB - 1))
+        out.append(1 + (x >> 33) % (vocab_size - 1))
     return out
 
 
-def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]]) -> list[int]:
+def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]], vocab_size: int = VOCAB) -> list[int]:
+    """The prompt token ids of ``r``: its blocks' tokens, cut to ``prompt_tokens``."""
     toks: list[int] = []
     for b in r.blocks:
         t = cache.get(b)
         if t is None:
-            t = cache[b] = block_tokens(b, block_size)
+            t = cache[b] = block_tokens(b, block_size, vocab_size)
         toks.extend(t)
         if len(toks) >= r.prompt_tokens:
             break
@@ -116,13 +117,15 @@ class EngineSimulator:
     ``l1``/``l2``/``l3`` (prompt tokens loaded per tier), ``ttft_t``, ``done_t``.
     """
 
-    def __init__(self, cluster: EngineClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None):
+    def __init__(self, cluster: EngineClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None,
+                 vocab_size: int = VOCAB):
         self.c = cluster
         self.bs = cluster.block_size
         self.now = 0.0
         self._q: list = []
         self._n = 0
         self.stop_s = stop_s
+        self.vocab_size = vocab_size
         self._tmp = tempfile.mkdtemp(prefix="cpd-sim-l3-")
         self.index = PrefixIndex()
         self.insts: list[_Inst] = []
@@ -141,7 +144,7 @@ class EngineSimulator:
 
     def _instance(self, wid: str, spec: EngineInstanceSpec) -> _Inst:
         clock = VirtualClock()
-        cfg = ModeledModelConfig(vocab_size=VOCAB, max_position_embeddings=spec.cost.model.max_context)
+        cfg = ModeledModelConfig(vocab_size=self.vocab_size, max_position_embeddings=spec.cost.model.max_context)
         ex = ModeledExecutor(spec.cost, cfg, clock=clock, model_id="sim")
         connector = None
         w_box: list[_Inst] = []
@@ -189,7 +192,7 @@ class EngineSimulator:
 
     def _arrive(self, now: float, i: int) -> None:
         r = self.reqs[i]
-        toks = request_tokens(r, self.bs, self._tokens)
+        toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
         hashes = hash_blocks(toks, self.namespace)
         match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs)
         d = route(len(toks), match, self._loads(), self.c.routing, self.c.router_cost)
