@@ -45,7 +45,7 @@ from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
 from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for, schedule
 from cpd.kv.block_hash import Namespace, hash_blocks
-from cpd.engine.sampling import SamplingParams  # cpd.messages.sampling once helper A commits it
+from cpd.messages.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the torch executor imports torch; a modeled engine never does
     import torch
