@@ -344,6 +344,29 @@ class Engine:
         r = self._held[request_id]
         return self.arrays.gather_tokens(self.pool.kv, r.blocks, r.num_computed), list(r.tokens)
 
+    def export_kv_shape(self, request_id: str) -> tuple[int, int, int, int, int]:
+        """``[num_layers, 2, n, num_kv_heads, head_dim]`` of :meth:`export_kv_into`'s KV (in
+        elements of the engine's KV dtype; bytes = product × ``kv_bytes_per_token`` / per-token
+        elements). Raises: KeyError: the request is not held."""
+        r = self._held[request_id]
+        L, two, _, _, H, D = self.pool.kv.shape
+        return (L, two, r.num_computed, H, D)
+
+    def export_kv_into(self, request_id: str, out: Any) -> list[int]:
+        """Like :meth:`export_kv`, but the KV is written straight into ``out`` — a contiguous
+        tensor or any writable buffer (numpy array, ``memoryview`` of shared memory) of exactly
+        :meth:`export_kv_shape` elements of the KV dtype, i.e. ``n * kv_bytes_per_token``
+        bytes — with one gather per layer and K/V (no intermediate copy).
+
+        Returns:
+            token ids (prompt + first sampled token).
+        Raises:
+            KeyError: the request is not held. ValueError/RuntimeError: ``out`` has the wrong size.
+        """
+        r = self._held[request_id]
+        self.arrays.gather_tokens_into(self.pool.kv, r.blocks, r.num_computed, out)
+        return list(r.tokens)
+
     def has_unfinished(self) -> bool:
         """True while any request is queued or running (held prefill requests do not count)."""
         return bool(self._inbox or self._waiting or self._running)
@@ -497,10 +520,7 @@ class Engine:
             new = self.pool.allocate(need)
             r.blocks = list(hit) + new
             start = len(hit) * bs
-            src = r.import_kv[:, :, start:n_kv]
-            for j, b in enumerate(new):
-                chunk = src[:, :, j * bs:(j + 1) * bs]
-                self.arrays.copy_into(self.pool.block_view(b)[:, :, :chunk.shape[2]], chunk)
+            self.arrays.scatter_tokens(self.pool.kv, new, r.import_kv[:, :, start:n_kv])
             self.executor.transfer("NIC", n_kv - start)
             r.num_computed = n_kv
             r.num_registered = len(hit)
