@@ -71,12 +71,13 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
               shared_prefix_fraction: float = 0.0, max_context: Optional[int] = None,
               max_sessions: Optional[int] = None, max_idle_s: Optional[float] = None,
               large_suffix_tokens: int = 8192, collapse_pairs: bool = False, azure_prefix_tokens: int = 0,
-              quiet: bool = False, console: Any = None) -> dict[str, Any]:
+              quiet: bool = False, console: Any = None, time_dilation: float = 1.0) -> dict[str, Any]:
     """Whole ``cpd bench run`` flow; returns ``{"config", "summary", "records"}``.
 
     Resolves the model (``GET /v1/models``) and vocabulary, converts the trace (prompts capped at
     ``context_len - output_length``; ``context_len`` defaults to the card's ``max_model_len``, 0
-    disables the cap), replays it, prints
+    disables the cap), replays it (``time_dilation`` K: arrivals K× slower and every reported time
+    divided by K, for a modeled deployment run with ``--time-dilation K``), prints
     the summary table, writes ``out`` (JSON) and ``plot`` (TTFT CDF PNG) if given.
     """
     from rich.console import Console
@@ -98,7 +99,7 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
         tr = read_trace(trace)
     except ValueError as e:  # TraceFormatError: file, line, what was expected
         raise typer.BadParameter(str(e), param_hint="--trace") from None
-    opts = ReplayOptions(tokens_per_block=tokens_per_hash_id, seed=seed, time_scale=time_scale,
+    opts = ReplayOptions(tokens_per_block=tokens_per_hash_id, seed=seed, time_scale=time_scale / time_dilation,
                          spread_ticks=spread_ticks, users=users, session_rate=session_rate,
                          shared_prefix_fraction=shared_prefix_fraction, azure_prefix_tokens=azure_prefix_tokens,
                          max_context=max_context, max_prompt_tokens=max_prompt_tokens, context_len=context_len,
@@ -123,22 +124,24 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
 
     res = bc.run_replay(url, reqs, model=card["id"], max_concurrency=max_concurrency, timeout_s=timeout_s,
                         api_key=api_key, on_done=on_done)
-    summary = report.summarize(res.records, res.duration_s, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    from .dilation import undilate
+    records = undilate(res.records, time_dilation)
+    summary = report.summarize(records, res.duration_s / time_dilation, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     config = {"label": label, "url": url, "model": res.model, "started_at": res.started_at,
               "max_concurrency": max_concurrency, "timeout_s": timeout_s,
               "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
               "arrival_mode": "spread_ticks" if spread_ticks else "bursty_ticks",
               "special_ids": list(vocab.special_ids), "tokens_per_hash_id": tokens_per_hash_id,
-              "warm_threshold": warm_threshold, **options_record(tr, opts, vocab)}
+              "warm_threshold": warm_threshold, "time_dilation": time_dilation, **options_record(tr, opts, vocab)}
     if not quiet:
         report.print_summary(summary, console, title=f"cpd bench {label or ''}".strip())
     if out is not None:
-        report.write_results(out, config, summary, res.records)
+        report.write_results(out, config, summary, records)
         if not quiet:
             console.print(f"wrote {out}")
     if plot is not None:
-        report.plot_ttft_cdf(res.records, plot, title=f"TTFT CDF {label or ''}".strip())
-    return {"config": config, "summary": summary, "records": res.records}
+        report.plot_ttft_cdf(records, plot, title=f"TTFT CDF {label or ''}".strip())
+    return {"config": config, "summary": summary, "records": records}
 
 
 def _bench(
@@ -149,6 +152,8 @@ def _bench(
     tokens_per_hash_id: Optional[int] = typer.Option(None, "--tokens-per-block", "--tokens-per-hash-id", min=1,
                                                      max=512, help="replayed tokens per trace block (shrink for CPU runs)"),
     time_scale: float = typer.Option(1.0, "--time-scale", help=">1 compresses time (more load)"),
+    time_dilation: float = typer.Option(1.0, "--time-dilation", min=1e-9,
+                                        help="the deployment's --time-dilation K: replay K× slower, report times / K"),
     max_requests: Optional[int] = typer.Option(None, "--max-requests", min=1),
     start: int = typer.Option(0, "--start", min=0, help="first trace row to replay"),
     seed: int = typer.Option(0, "--seed", min=0),
@@ -197,7 +202,7 @@ def _bench(
         typer.echo(ctx.get_help())
         raise typer.Exit(2)
     result = run_bench(url=url, trace=trace, model=model, tokens_per_hash_id=tokens_per_hash_id,
-                       time_scale=time_scale, max_requests=max_requests, start=start, seed=seed,
+                       time_scale=time_scale, time_dilation=time_dilation, max_requests=max_requests, start=start, seed=seed,
                        max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens,
                        spread_ticks=spread_ticks,
                        max_concurrency=max_concurrency, timeout_s=timeout_s, slo_ttft_s=slo_ttft_s,
