@@ -51,6 +51,22 @@ def test_load_vs_recompute_cuts_a_slow_tier():
     assert (plan.l1_blocks, plan.l3_blocks) == (2, 8) and recompute is None
 
 
+def test_decision_carries_typed_outcomes_and_derives_its_reasons():
+    """Control flow and metrics read typed fields; the reason strings are derived from them."""
+    cfg = RoutingConfig(block_size=BS)
+    slow_l3 = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e6, l3_bytes_per_s=1e6)
+    loads = [WorkerLoad("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE)]
+    d = route(320, PrefixMatch(l1={"p0": 12}, l3=15), loads, cfg, slow_l3)
+    assert d.request_class is RequestClass.WARM and d.pool is Role.PREFILL  # no pre-prefill pool: fallback
+    assert d.recompute == Recompute(Tier.L3, 3) and d.load_plan.l3_blocks == 0
+    assert d.fallback_from is None  # warm wants the prefill pool, which exists
+    assert d.reasons == ("warm:reuse=0.60", "recompute-L3:3blk")
+    cold = route(320, PrefixMatch(), loads, cfg, COST)
+    assert cold.fallback_from is Role.PRE_PREFILL and cold.recompute is None
+    assert cold.reasons == ("cold:reuse=0.00", "fallback:no-pre-prefill")
+    assert f"{cold.pool}" == "prefill" and cold.pool == "prefill"  # str enums: labels and JSON unchanged
+
+
 def test_tiers_combine_and_last_token_is_always_computed():
     cfg = RoutingConfig(block_size=BS)
     plan, _ = plan_loads("p0", PrefixMatch(l1={"p0": 3}, l2={"p0": 5}, l3=20), 160, cfg, COST)

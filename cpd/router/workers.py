@@ -11,7 +11,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
+from cpd.messages.worker_api import LoadReport, decode_body
 from cpd.policy.routing import WorkerLoad
 
 
@@ -59,13 +61,6 @@ class WorkerInfo:
                           self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s))
 
 
-def reports_healthy(load: dict) -> bool:
-    """The worker's own verdict in its ``/load`` body (``health.healthy``, see
-    :class:`cpd.worker.runtime.StepHealth`); a body without it counts as healthy."""
-    h = load.get("health")
-    return not isinstance(h, dict) or bool(h.get("healthy", True))
-
-
 class WorkerSet:
     """All workers, with a background poller of ``/load``. A worker is marked unhealthy after
     ``max_poll_failures`` consecutive failed polls, at once when a request to it fails, and at
@@ -99,10 +94,11 @@ class WorkerSet:
             try:
                 r = await client.get(f"{w.url}/load", timeout=self.poll_timeout_s)
                 r.raise_for_status()
-                w.last_load = r.json()
+                load = decode_body(r.content, LoadReport)  # MalformedBody (a ValueError): a failed poll
+                w.last_load = msgspec.to_builtins(load)
                 self._poll_failures[w.worker_id] = 0
-                w.kv_usage = float(w.last_load.get("kv_usage", 0.0))
-                if not reports_healthy(w.last_load):  # answers, but its engine steps keep failing
+                w.kv_usage = load.kv_usage
+                if not load.health.healthy:  # answers, but its engine steps keep failing
                     self.mark_unhealthy(w.worker_id)
                     return
                 was_healthy = w.healthy

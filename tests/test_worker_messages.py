@@ -1,0 +1,88 @@
+"""The typed router↔worker contract (cpd.messages): messages round-trip through their JSON
+encoding, and real worker processes refuse malformed bodies with 400 naming the field, answer in
+the typed shapes the router decodes, and the router's records carry the typed decision."""
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+from deploy_util import assert_no_leaks, random_prompt, start
+
+from cpd.messages.handoff import HandoffHandle, HandoffRelease
+from cpd.messages.sampling import SamplingParams
+from cpd.messages.worker_api import (DecodeLine, DecodeRequest, KvSnapshot, LoadReport, MalformedBody,
+                                     PrefillRequest, WorkerInfoReport, decode_body, encode)
+from cpd.types import Role, Tier
+
+HANDLE = HandoffHandle(kind="shm", host="127.0.0.1", port=1, request_id="r", nbytes=8, dtype="<f4", shape=(2,),
+                       host_id="h/b", generation=7, checksum=9, reclaim_after_s=120.0, name="/proc/1/fd/3",
+                       arena_id="a" * 32, offset=4160, release_url="http://127.0.0.1:2/handoff/release")
+
+
+def test_messages_round_trip_through_json():
+    s = SamplingParams(temperature=0.5, top_p=0.9, top_k=3, seed=2 ** 64 - 1, max_tokens=4, stop_token_ids=(5,))
+    for msg, typ in [(PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=s, max_l3_blocks=0), PrefillRequest),
+                     (DecodeRequest(request_id="r", token_ids=[1, 2, 3], sampling=s, handoff=HANDLE), DecodeRequest),
+                     (HANDLE, HandoffHandle), (HandoffRelease("r", 7), HandoffRelease),
+                     (DecodeLine([4], "stop"), DecodeLine)]:
+        assert decode_body(encode(msg), typ) == msg
+    assert encode(DecodeLine([1])) == b'{"token_ids":[1]}'  # defaults stay off the wire
+
+
+@pytest.mark.parametrize("body, field", [
+    (b'{"request_id": "r", "prompt_token_ids": [1], "sampling": {"top_p": 0}}', "top_p must be in (0, 1]"),
+    (b'{"request_id": "r", "prompt_token_ids": ["x"], "sampling": {}}', "$.prompt_token_ids[0]"),
+    (b'{"request_id": "r", "prompt_token_ids": [1], "sampling": {"max_tokens": true}}', "$.sampling.max_tokens"),
+    (b'{"prompt_token_ids": [1], "sampling": {}}', "request_id"),
+    (b'not json', "malformed"),
+])
+def test_malformed_bodies_are_named(body, field):
+    with pytest.raises(MalformedBody) as e:
+        decode_body(body, PrefillRequest)
+    assert field in str(e.value) and str(e.value).startswith("PrefillRequest")
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1)
+    yield d
+    d.stop()
+
+
+def _worker(dep, role: str) -> dict:
+    return next(w for w in dep.workers if w["role"] == role)
+
+
+@pytest.mark.parametrize("path, body, names", [
+    ("/prefill", {"request_id": "r", "prompt_token_ids": [1, 2], "sampling": {"temperature": -1}},
+     "temperature must be >= 0"),
+    ("/prefill", {"request_id": "r", "prompt_token_ids": "1 2", "sampling": {}}, "$.prompt_token_ids"),
+    ("/prefill", {"request_id": 5, "prompt_token_ids": [1], "sampling": {}}, "$.request_id"),
+    ("/decode", {"request_id": "r", "token_ids": [1], "sampling": {}, "handoff": {"kind": "disk"}}, "$.handoff.kind"),
+    ("/decode", {"request_id": "r", "token_ids": [1], "sampling": {}}, "handoff"),
+    ("/handoff/release", {"generation": 3}, "request_id"),
+])
+def test_live_worker_refuses_malformed_bodies_with_400(dep, path, body, names):
+    role = "decode" if path == "/decode" else "prefill"
+    r = httpx.post(_worker(dep, role)["url"] + path, json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert names in r.json()["error"], r.json()
+    assert_no_leaks(dep)
+
+
+def test_live_answers_decode_into_the_typed_messages(dep):
+    p, d = _worker(dep, "prefill"), _worker(dep, "decode")
+    info = decode_body(httpx.get(p["url"] + "/info", timeout=10).content, WorkerInfoReport)
+    assert info.role is Role.PREFILL and info.worker_id == p["worker_id"] and info.max_model_len > 0
+    body = {"model": dep.model_name, "prompt": random_prompt(801, 70), "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}
+    assert httpx.post(f"{dep.url}/v1/completions", json=body, timeout=120).status_code == 200
+    load = decode_body(httpx.get(p["url"] + "/load", timeout=10).content, LoadReport)
+    assert load.role is Role.PREFILL and load.health.healthy and load.handoff["staged_shm"] >= 1
+    assert decode_body(httpx.get(d["url"] + "/load", timeout=10).content, LoadReport).handoff is None
+    snap = decode_body(httpx.get(p["url"] + "/kv_snapshot", timeout=10).content, KvSnapshot)
+    assert len(snap.l1) >= 70 // 16  # the prompt's full blocks stay cached in L1
+    rec = list(httpx.get(f"{dep.url}/cpd/requests", timeout=10).json().values())[-1]
+    assert rec["class"] == "cold" and rec["pool"] == "prefill" and rec["reasons"][0].startswith("cold:reuse=")
+    assert set(rec["cached_tokens_by_tier"]) <= {str(t) for t in Tier}
+    assert_no_leaks(dep)
