@@ -1,6 +1,6 @@
 """Contract between the router's OpenAI-compatible HTTP front and whatever produces tokens.
 
-The front (:mod:`cpd.router.openai_api`) validates a request, turns it into token ids and
+The front (:mod:`cpd.router.openai_front`) validates a request, turns it into token ids and
 hands a :class:`GenerationRequest` to a :class:`GenerationBackend`. The backend yields
 :class:`GenerationChunk` values (new token ids, in order) until it sets ``finish_reason``.
 The front owns everything textual: detokenization, stop strings, the OpenAI wire format.

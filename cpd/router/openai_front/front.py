@@ -1,0 +1,338 @@
+"""The OpenAI front's request handling (:class:`OpenAIFront`): validate, tokenize (chat template
+or prompt), hand a :class:`~cpd.router.protocol.GenerationRequest` to the backend, and answer
+as one JSON body or as a server-sent event stream."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from cpd.messages.sampling import SamplingParams
+from cpd.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid, type_for_status
+from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclose_quietly
+from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from cpd.router.openai_front.sse import SSE_DONE, SSEResponse, sse_event
+from cpd.router.openai_front.text_state import TextState, drain
+from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, is_token_list, parse_stop,
+                                                single_prompt, validation_error)
+from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
+from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
+from cpd.router.tokenization import MessageError, Tokenizer
+
+log = logging.getLogger("cpd.router.openai_api")
+
+_LONG_TEXT_CHARS = 4096  # tokenize longer inputs in a worker thread
+
+
+@dataclass
+class Prepared:
+    endpoint: str                 # "completions" | "chat.completions"
+    request_id: str
+    created: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    arrival: float
+    return_token_ids: bool = False
+
+
+async def tokenize(fn: Callable[[Any], list[int]], arg: Any, size: int) -> list[int]:
+    if size > _LONG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, arg)
+    return fn(arg)
+
+
+
+class OpenAIFront:
+    """State behind the HTTP routes: backend, tokenizer, model facts. ``app.state.front``."""
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, model_name: str,
+                 max_model_len: int, vocab_size: int | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+        if max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = int(max_model_len)
+        self.vocab_size = int(vocab_size if vocab_size is not None else tokenizer.vocab_size)
+        self.created = int(time.time())
+        self.max_request_body_bytes = int(max_request_body_bytes)
+
+    # -- request preparation ------------------------------------------------------------
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            return await read_json_body(request, self.max_request_body_bytes)
+        except ClientGoneWhileReading:
+            raise ClientGone() from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", INVALID_REQUEST, "model", "model_not_found")
+
+    async def _completion_prompt(self, prompt: Any) -> list[int]:
+        prompt = single_prompt(prompt)
+        if isinstance(prompt, str):
+            ids = await tokenize(self.tokenizer.encode_prompt, prompt, len(prompt))
+        else:
+            ids = list(prompt)
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise invalid(f"token id {t} at position {i} is outside the vocabulary "
+                                  f"[0, {self.vocab_size})", "prompt")
+        if not ids:
+            raise invalid("prompt must not be empty", "prompt")
+        return ids
+
+    async def _chat_prompt(self, messages: Any) -> list[int]:
+        if messages is None:
+            raise invalid("'messages' is a required property", "messages")
+        size = sum(len(str(m.get("content", ""))) for m in messages
+                   if isinstance(m, dict)) if isinstance(messages, list) else 0
+        try:
+            ids = await tokenize(self.tokenizer.apply_chat_template, messages, size)
+        except MessageError as e:
+            raise invalid(str(e), e.param)
+        except ValueError as e:
+            raise invalid(str(e), "messages")
+        if not ids:
+            raise invalid("messages produced an empty prompt", "messages")
+        return ids
+
+    async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
+        obj = await self._body(request)
+        check_union_fields(obj, chat)
+        model_cls = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            req = model_cls.model_validate(obj)
+        except ValidationError as e:
+            raise validation_error(e)
+        self._check_model(req.model)
+        check_unsupported(req, chat)
+        temperature = 1.0 if req.temperature is None else float(req.temperature)  # range: the model
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        stops = parse_stop(req.stop)
+        stream = bool(req.stream)
+        if req.stream_options is not None and not stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
+        stop_ids = list(req.stop_token_ids or ())
+        for t in stop_ids:
+            if not 0 <= t < self.vocab_size:
+                raise invalid(f"stop token id {t} is outside the vocabulary", "stop_token_ids")
+
+        if chat:
+            assert isinstance(req, ChatCompletionRequest)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+                else req.max_tokens
+            mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        else:
+            max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETIONS_MAX_TOKENS
+            mt_param = "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise invalid(f"{mt_param} must be at least 1", mt_param)
+
+        if chat:
+            prompt_ids = await self._chat_prompt(obj["messages"])
+            prompt_param = "messages"
+        else:
+            prompt_ids = await self._completion_prompt(obj["prompt"])
+            prompt_param = "prompt"
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise invalid(f"This model's maximum context length is {self.max_model_len} tokens. "
+                          f"However, your {prompt_param} has {n} tokens, which leaves no room "
+                          f"for a completion.", prompt_param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n
+        elif n + max_tokens > self.max_model_len:
+            raise invalid(f"This model's maximum context length is {self.max_model_len} tokens. "
+                          f"However, you requested {n + max_tokens} tokens ({n} in the "
+                          f"{prompt_param}, {max_tokens} in the completion). Please reduce the "
+                          f"length of the {prompt_param} or completion.",
+                          mt_param, "context_length_exceeded")
+
+        sampling = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
+                                  seed=req.seed, ignore_eos=bool(req.ignore_eos),
+                                  stop_token_ids=tuple(stop_ids))
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Prepared(endpoint="chat.completions" if chat else "completions",
+                         request_id=prefix + uuid.uuid4().hex, created=int(time.time()),
+                         prompt_ids=prompt_ids, sampling=sampling, stops=stops, stream=stream,
+                         include_usage=include_usage, cache_salt=req.cache_salt, arrival=arrival,
+                         return_token_ids=bool(req.return_token_ids))
+
+    # -- serving ------------------------------------------------------------------------
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()
+        try:
+            p = await self._prepare(request, chat, arrival)
+            greq = GenerationRequest(request_id=p.request_id, prompt_token_ids=p.prompt_ids,
+                                     sampling=p.sampling, cache_salt=p.cache_salt,
+                                     endpoint=p.endpoint, arrival_time=arrival)
+            if p.stream:
+                return await self._stream(request, p, greq, chat)
+            return await self._complete(request, p, greq, chat)
+        except APIError as e:
+            return e.response()
+        except BackendError as e:
+            return backend_error_response(e)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            log.exception("unexpected error serving %s", request.url.path)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", SERVER_ERROR)
+
+    async def _complete(self, request: Request, p: Prepared, greq: GenerationRequest,
+                        chat: bool) -> Response:
+        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens)
+
+        async def run() -> str:
+            parts: list[str] = []
+            agen = self.backend.generate(greq)
+            try:
+                it = agen.__aiter__()
+                async for chunk in it:
+                    parts.append(state.on_chunk(chunk))
+                    if state.finish_reason is not None:
+                        if state.backend_finished:
+                            await drain(it)
+                        break
+                else:
+                    parts.append(state.on_end())
+            finally:
+                await aclose_quietly(agen)
+            return "".join(parts)
+
+        async with CancelOnDisconnect(request.receive):
+            text = await run()
+        usage = state.usage(len(p.prompt_ids))
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": state.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": state.finish_reason}
+            obj = "text_completion"
+        if p.return_token_ids:
+            choice["token_ids"] = state.token_ids
+            choice["prompt_token_ids"] = p.prompt_ids
+        return JSONResponse({"id": p.request_id, "object": obj, "created": p.created,
+                             "model": self.model_name, "choices": [choice], "usage": usage,
+                             "system_fingerprint": None})
+
+    async def _stream(self, request: Request, p: Prepared, greq: GenerationRequest,
+                      chat: bool) -> Response:
+        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens)
+        agen = self.backend.generate(greq)
+        aiter_ = agen.__aiter__()
+        # Wait for the first chunk before committing to a 200, so that a BackendError raised
+        # up front (429 overloaded, 503 no worker) keeps its status.
+        async def first_chunk() -> GenerationChunk | None:
+            try:
+                return await aiter_.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        try:
+            async with CancelOnDisconnect(request.receive):
+                first = await first_chunk()
+        except BaseException:
+            await aclose_quietly(agen)
+            raise
+
+        obj_name = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": p.request_id, "object": obj_name, "created": p.created,
+                "model": self.model_name}
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None,
+                          "finish_reason": finish}
+            out = dict(base, choices=[choice])
+            if p.include_usage:
+                out["usage"] = None
+            return sse_event(out)
+
+        async def producer(emit: Callable[[bytes], Awaitable[None]]) -> None:
+            try:
+                if chat:
+                    await emit(chunk("", None, role=True))
+                try:
+                    if first is None:
+                        text = state.on_end()
+                        if text:
+                            await emit(chunk(text, None))
+                    else:
+                        text = state.on_chunk(first)
+                        if text:
+                            await emit(chunk(text, None))
+                        if state.finish_reason is None:
+                            async for c in aiter_:
+                                text = state.on_chunk(c)
+                                if text:
+                                    await emit(chunk(text, None))
+                                if state.finish_reason is not None:
+                                    break
+                            else:
+                                text = state.on_end()
+                                if text:
+                                    await emit(chunk(text, None))
+                        if state.backend_finished:
+                            await drain(aiter_)
+                except Exception as e:
+                    if isinstance(e, BackendError):
+                        err = {"error": {"message": e.message, "type": e.type, "param": None,
+                                         "code": e.code}}
+                    else:
+                        log.exception("unexpected error in stream %s", p.request_id)
+                        err = {"error": {"message": f"internal error: {type(e).__name__}: {e}",
+                                         "type": SERVER_ERROR, "param": None, "code": None}}
+                    await aclose_quietly(agen)
+                    await emit(sse_event(err))
+                    await emit(SSE_DONE)
+                    return
+                await aclose_quietly(agen)
+                await emit(chunk(None if chat else "", state.finish_reason))
+                if p.include_usage:
+                    await emit(sse_event(dict(base, choices=[], usage=state.usage(len(p.prompt_ids)))))
+                await emit(SSE_DONE)
+            finally:
+                await aclose_quietly(agen)
+
+        return SSEResponse(producer)
+
+    # -- models -------------------------------------------------------------------------
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "cpd", "root": self.model_name, "parent": None,
+                "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "special_token_ids": sorted(self.tokenizer.special_ids)}
+
+
+def backend_error_response(e: BackendError) -> JSONResponse:
+    status = e.status if 400 <= e.status <= 599 else 500
+    return error_response(status, e.message, e.type or type_for_status(status), None,
+                          getattr(e, "code", None), getattr(e, "retry_after_s", None))

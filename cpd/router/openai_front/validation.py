@@ -1,0 +1,135 @@
+"""Validation the request models cannot state: field-path error messages (``param``),
+unsupported OpenAI options, stop strings, the one prompt of a completions body, union fields."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from cpd.router.errors import APIError, invalid
+from cpd.router.openai_front.models import (MAX_STOP_STRINGS, ChatCompletionRequest, CommonRequest,
+                                            CompletionRequest)
+from cpd.router.tokenization import MessageError, normalize_messages
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+def is_union_tag(part: str) -> bool:
+    """pydantic names the member of a union that failed (``str``, ``list[constrained-int]``,
+    ``TextContentPart``...) in the error location; it is not part of the field path."""
+    return part in _TYPE_TAGS or not part.isidentifier() or part[:1].isupper()
+
+
+def param_of(loc: Iterable[Any]) -> str | None:
+    out = ""
+    for part in loc:
+        if part == "body" or (isinstance(part, str) and is_union_tag(part)):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    param = param_of(first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "missing":
+        msg = f"'{param}' is a required property"
+    elif param:
+        msg = f"Invalid value for '{param}': {msg}"
+    return invalid(msg, param)
+
+
+def check_unsupported(req: CommonRequest, chat: bool) -> None:
+    if req.n is not None and req.n != 1:
+        raise invalid("only n=1 is supported", "n")
+    if chat:
+        if req.logprobs not in (None, False):
+            raise invalid("logprobs are not supported", "logprobs")
+    elif req.logprobs is not None:
+        raise invalid("logprobs are not supported", "logprobs")
+    if req.top_logprobs is not None:
+        raise invalid("top_logprobs are not supported", "top_logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and v != 0:
+            raise invalid(f"{name} is not supported (must be 0)", name)
+    if req.logit_bias not in (None, {}):
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise invalid("echo=true is not supported", "echo")
+        if req.best_of is not None and req.best_of != 1:
+            raise invalid("only best_of=1 is supported", "best_of")
+        if req.suffix not in (None, ""):
+            raise invalid("suffix is not supported", "suffix")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools not in (None, []):
+            raise invalid("tools are not supported", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise invalid("tool_choice is not supported", "tool_choice")
+        rf = req.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise invalid("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def parse_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise invalid("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(s == "" for s in stops):
+        raise invalid("stop strings must not be empty", "stop")
+    return stops
+
+
+def single_prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a completions body (text or token ids; a batch of one is unwrapped).
+    Raises a 400 naming the problem for anything else."""
+    if prompt is None:
+        raise invalid("'prompt' is a required property", "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise invalid("prompt must not be empty", "prompt")
+        return prompt
+    if not isinstance(prompt, list) or not is_token_list(prompt):
+        raise invalid("'prompt' must be a string or a list of integer token ids", "prompt")
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    return prompt
+
+
+def check_union_fields(obj: dict[str, Any], chat: bool) -> None:
+    """Check the fields whose schema is a union (``prompt``, ``messages``, ``stop``) before the
+    model does: a union's validation error lists every member's failure, while these checks
+    name the one problem and the exact ``param`` (``messages[1].content[0]``)."""
+    if chat:
+        if obj.get("messages") is None:
+            raise invalid("'messages' is a required property", "messages")
+        try:
+            normalize_messages(obj["messages"])
+        except MessageError as e:
+            raise invalid(str(e), e.param) from None
+    else:
+        single_prompt(obj.get("prompt"))
+    parse_stop(obj.get("stop"))
+
+
+def is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
