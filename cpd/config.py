@@ -79,6 +79,9 @@ class EngineSection(Section):
     max_prefill_chunk_tokens: int = Field(512, ge=1, description="prompt tokens of one request per step")
     torch_threads: int = Field(0, ge=0, description="torch threads per worker (0 = cores / workers under "
                                                     "cpd serve, torch's default for a lone worker)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="torch executor: model and KV dtype; auto = bfloat16 where the CPU (AVX512-BF16/AMX) "
+                            "or GPU computes it natively, else float32; float16 on CUDA only (cpd.engine.dtype)")
     executor: Literal["torch", "modeled"] = Field(
         "torch", description="torch: real model math; modeled: the cost model's step times and pseudo tokens, "
                              "no torch (cpd.engine.executor_modeled)")
@@ -223,6 +226,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("engine.max_num_seqs", ("--max-num-seqs",), worker=True),
     Flag("engine.max_prefill_chunk_tokens", ("--max-prefill-chunk-tokens",), worker=True),
     Flag("engine.torch_threads", ("--torch-threads",), worker=True),
+    Flag("engine.dtype", ("--dtype",), worker=True),
     Flag("engine.executor", ("--executor",), worker=True),
     Flag("engine.hardware", ("--hardware",), worker=True),
     Flag("engine.model_shape", ("--model-shape",), worker=True),

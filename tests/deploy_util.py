@@ -78,10 +78,12 @@ def random_prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(10, 40000, size=n)]
 
 
-def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of one plain in-process engine running the prompt alone (DESIGN §4 oracle)."""
+def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str = "auto") -> list[int]:
+    """Greedy tokens of one plain in-process engine running the prompt alone (DESIGN §4 oracle),
+    at the dtype the deployed workers run (``engine.dtype``, default auto)."""
+    from cpd.engine.dtype import resolve_dtype
     from cpd.engine.engine import Engine
     from cpd.engine.sampling import SamplingParams
     num_blocks = max(64, -(-(len(prompt) + max_tokens) // 16) + 1)  # room for the whole sequence
-    return Engine(model_dir, num_blocks=num_blocks).generate(
+    return Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype)).generate(
         prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

@@ -28,7 +28,8 @@ def test_real_model_oracle(real_dep):
     tok = load_tokenizer(real_dep.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in two sentences why the sea is salty. "
                                                                   "Mention rivers and rocks."}])
-    expected = Engine(real_dep.model_dir, num_blocks=32).generate(
+    from cpd.engine.dtype import resolve_dtype
+    expected = Engine(real_dep.model_dir, num_blocks=32, dtype=resolve_dtype("auto")).generate(
         prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
     paths = []

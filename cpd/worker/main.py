@@ -104,6 +104,14 @@ def _executor(cfg: Config):
     return None
 
 
+def _torch_dtype(cfg: Config, executor):
+    """The torch executor's dtype from ``engine.dtype`` (None for the modeled executor)."""
+    if executor is not None:
+        return None
+    from cpd.engine.dtype import resolve_dtype
+    return resolve_dtype(cfg.engine.dtype)
+
+
 def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     from cpd.engine.engine import Engine
     from cpd.engine.faults import FaultPlan
@@ -118,7 +126,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
                             max_prefill_chunk_tokens=e.max_prefill_chunk_tokens, block_size=e.block_size)
     engine = Engine(cfg.model.dir, num_blocks=e.num_blocks, block_size=e.block_size,
                     host_kv_bytes=cfg.kv.host_kv_bytes, scheduler_config=sched, connector=connector,
-                    event_sink=publisher.emit, executor=executor,
+                    event_sink=publisher.emit, executor=executor, dtype=_torch_dtype(cfg, executor),
                     faults=FaultPlan.from_env())  # test-only CPD_FAULT_* variables; none in production
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
