@@ -68,3 +68,24 @@ def test_verdict_needs_bounded_simulated_points():
                          "CPD-1D": {"qps_per_gpu": 1.1, "bounded": "interpolated"}}, "slo": slo}
     figs, v = quick_sim_verdict(ok, [0.5, 1.0, 1.5])
     assert "CPD pays" in v and "1.1" in v and "0.8" in v
+
+
+def test_analyze_session_profile_counts_subagents_and_duration(tmp_path):
+    """The session section counts each conversation's requests with its subagent's (4 + 2) and
+    measures its duration on the session's own clock (first request to the end of the last)."""
+    import re
+
+    from cpd.analyze.sessions import session_stats
+    from cpd.traces import read_trace
+    from tests.test_traces import conversation, write_cc
+    d = write_cc(tmp_path / "cc", [conversation("trace_0001"), conversation("trace_0002")])
+    st = [session_stats(s) for s in read_trace(d).sessions]
+    assert [x.num_requests for x in st] == [6, 6]
+    assert [x.num_subagents for x in st] == [1, 1]
+    assert all(x.first_input_tokens == 260 and x.max_input_tokens == 710 for x in st)
+    assert all(x.duration_s == 42.0 for x in st)  # last request at t=41 s plus its api_time of 1 s
+    r = _run([str(d), "--out", str(tmp_path / "o"), "--no-simulate"])
+    assert r.exit_code == 0, r.output
+    rep = (tmp_path / "o" / "report.md").read_text()
+    assert re.search(r"2 sessions; requests per session p50/p90/max: 6 / 6 / 6", rep), rep
+    assert (tmp_path / "o" / "sessions.png").stat().st_size > 1000

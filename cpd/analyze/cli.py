@@ -45,6 +45,7 @@ def analyze(
     session_rate: float = typer.Option(0.05, help="Claude Code: Poisson session starts per second for reuse distance"),
 ) -> None:
     """Analyse a trace's prefix reuse and say whether cache-aware P/D (CPD) pays on it."""
+    from cpd.analyze.sessions import sessions_section
     from cpd.analyze.stats import capacity_for, reuse_profile
     from cpd.policy.cost_model import RooflineCostModel
     from cpd.sim.workload import schedule_to_sim
@@ -74,7 +75,9 @@ def analyze(
         L += ["", "**This trace has no prefix information** (arrivals and lengths only): every request counts as "
               "new content, so the hit ratio below is 0 by construction. Model a shared prefix explicitly with "
               "`cpd bench/simulate --azure-prefix-tokens N` if you want one.", ""]
-    L.append(f"{len(reqs)} requests over {dur:.0f} s ({len(reqs) / dur:.2f} req/s); "
+    span = "" if tr.timed else (f" (the trace has no absolute times: sessions placed by the arrival model above, "
+                                f"at {session_rate:g} session starts/s)")
+    L.append(f"{len(reqs)} requests over {dur:.0f} s{span} ({len(reqs) / dur:.2f} req/s); "
              f"prompt p50/p90 {_pct([r.prompt_tokens for r in reqs], .5):.0f}/{_pct([r.prompt_tokens for r in reqs], .9):.0f} "
              f"tokens, output mean {sum(r.output_tokens for r in reqs) / len(reqs):.0f}.")
     L += ["", f"## Prefix reuse (infinite cache, {B}-token blocks)", "",
@@ -147,8 +150,9 @@ def analyze(
         L.append(f"* quick simulation ({sim_steady_s:.0f} s steady per point, arrivals as `cpd simulate --trace`): {gain_txt}")
     L.append(verdict)
     _plots(prof, curve, out, B)
-    _kind_plots(sched, out)
-    L += ["", "![reuse](reuse.png)", "", "![lru](lru_curve.png)", "", "![uncached](uncached_cdf.png)", ""]
+    _kind_plots(sched, out, cost)
+    L += ["", "![reuse](reuse.png)", "", "![lru](lru_curve.png)", "", "![uncached](uncached_cdf.png)"]
+    L += sessions_section(tr, out) + [""]
     text = "\n".join(L) + "\n"
     (out / "report.md").write_text(text)
     typer.echo(text)
@@ -225,7 +229,8 @@ def _uncached_section(sched, large: int, cost) -> list[str]:
     return L
 
 
-def _kind_plots(sched, out: Path) -> None:
+def _kind_plots(sched, out: Path, cost) -> None:
+    """Uncached-token CDF, and each request kind's share of uncached tokens and of prefill work."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -237,8 +242,14 @@ def _kind_plots(sched, out: Path) -> None:
     ax[0].set_xlabel("uncached tokens per request")
     ax[0].set_ylabel("CDF")
     tok = [sum(q.uncached_trace_tokens for q in sched if q.kind == k) for k in KINDS]
-    ax[1].bar(KINDS, [t / max(1, sum(tok)) * 100 for t in tok])
-    ax[1].set_ylabel("% of uncached tokens")
+    work = [sum(cost.prefill_time_s(q.uncached_trace_tokens, q.cached_trace_tokens) for q in sched if q.kind == k)
+            for k in KINDS]
+    x = range(len(KINDS))
+    ax[1].bar([i - 0.2 for i in x], [t / max(1, sum(tok)) * 100 for t in tok], width=0.4, label="uncached tokens")
+    ax[1].bar([i + 0.2 for i in x], [w / max(1e-12, sum(work)) * 100 for w in work], width=0.4, label="prefill work")
+    ax[1].set_xticks(list(x), KINDS)
+    ax[1].set_ylabel("% of all")
+    ax[1].legend()
     fig.tight_layout()
     fig.savefig(out / "uncached_cdf.png", dpi=100)
     plt.close(fig)
