@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test demo serve bench clean redis
+.PHONY: venv test typecheck demo serve bench clean redis
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,12 @@ redis:
 test: venv redis
 	$(BIN)/python -m pytest -q -x tests
 
+# mypy, configured in pyproject.toml ([tool.mypy]): strict on cpd.policy, cpd.kv and cpd.messages.
+typecheck: venv
+	$(BIN)/mypy
+
 demo: venv
 	$(BIN)/python -m cpd.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache

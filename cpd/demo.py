@@ -40,7 +40,7 @@ def _stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> t
             n += 1
             text.append(chunk.choices[0].delta.content)
     ttft = (first or time.perf_counter()) - t0
-    tpot = (last - first) / (n - 1) if n > 1 else 0.0
+    tpot = (last - first) / (n - 1) if n > 1 and first is not None and last is not None else 0.0
     return rid, "".join(text), ttft, tpot, n
 
 

@@ -175,16 +175,17 @@ class Deployment:
             self.children[wid] = c
             pending.append(c)
         for c in pending:
-            info = _wait_ready(c.proc, timeout_s, self._log_path(c.name))
+            proc = _running(c)
+            info = _wait_ready(proc, timeout_s, self._log_path(c.name))
             info["url"] = f"http://{self.host}:{info['port']}"
             info["events_endpoint"] = f"tcp://{self.host}:{info['events_port']}"
-            info["pid"] = c.proc.pid
+            info["pid"] = proc.pid
             c.ready.set()
             self.workers.append(info)
 
     def _watch_worker_ready(self, c: Child) -> None:
         """After a restart: wait (in a thread) for the worker's READY line, then mark it ready."""
-        proc = c.proc
+        proc = _running(c)
 
         def wait() -> None:
             try:
@@ -207,7 +208,7 @@ class Deployment:
 
     def _watch_router_ready(self, c: Child) -> None:
         """After a restart: the router is ready once it answers ``/health`` (any status)."""
-        proc = c.proc
+        proc = _running(c)
 
         def wait() -> None:
             deadline = time.monotonic() + self.cfg.deployment.restart_ready_timeout_s
@@ -321,7 +322,7 @@ class Deployment:
     def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` (default SIGKILL) to one worker or the router (fault injection in tests)
         and wait for it to exit; returns the pid it had."""
-        p = self.children[worker_id].proc
+        p = _running(self.children[worker_id])
         p.send_signal(sig)
         p.wait(10)
         return p.pid
@@ -362,6 +363,13 @@ class Deployment:
         """Clear every worker's L1 and L2 (the L3 store is untouched)."""
         for u in self.worker_urls():
             httpx.post(f"{u}/reset_prefix_cache", timeout=10, auth=self.internal_client_auth()).raise_for_status()
+
+
+def _running(c: Child) -> subprocess.Popen:
+    """The process of a child that was spawned."""
+    if c.proc is None:
+        raise DeploymentError(f"{c.name} was never started")
+    return c.proc
 
 
 def _wait_ready(p: subprocess.Popen, timeout_s: float, log_path: Path) -> dict:

@@ -127,7 +127,8 @@ def hash_blocks(token_ids: Sequence[int], namespace: Namespace, parent_hash: int
             _GROUPS.put(key, got)
         out += got
         h = got[-8:]
-    return np.frombuffer(out, dtype=">u8").tolist()
+    hashes: list[int] = np.frombuffer(out, dtype=">u8").tolist()
+    return hashes
 
 
 GROUP_BLOCKS = 32

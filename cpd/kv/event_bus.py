@@ -27,7 +27,7 @@ class EventPublisher:
     """
 
     def __init__(self, endpoint: str):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pending: list[KVCacheEvent] = []
         self._lock = threading.Lock()
         self._q: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
@@ -73,7 +73,7 @@ class EventSubscriber:
     from its own thread. Endpoints can be added while running."""
 
     def __init__(self, on_batch: Callable[[str, int, object], None]):
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._on_batch = on_batch
         self._endpoints: dict[str, str] = {}
         self._add_q: queue.Queue[tuple[str, str]] = queue.Queue()
@@ -86,7 +86,7 @@ class EventSubscriber:
         self._add_q.put((worker_id, endpoint))
 
     def _run(self) -> None:
-        socks: dict[zmq.Socket, str] = {}
+        socks: dict[zmq.Socket[bytes], str] = {}
         poller = zmq.Poller()
         while not self._stop.is_set():
             while not self._add_q.empty():

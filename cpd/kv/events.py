@@ -57,7 +57,8 @@ _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 def encode_batch(events: list[KVCacheEvent], ts: float | None = None) -> bytes:
     """msgpack payload of one batch (``ts`` defaults to the wall clock, seconds)."""
-    return _encoder.encode(KVEventBatch(ts=time.time() if ts is None else ts, events=events))
+    batch = KVEventBatch(ts=time.time() if ts is None else ts, events=events)  # type: ignore[arg-type]
+    return _encoder.encode(batch)
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
@@ -70,4 +71,5 @@ def pack_seq(seq: int) -> bytes:
 
 
 def unpack_seq(frame: bytes) -> int:
-    return struct.unpack(">q", frame)[0]
+    seq: int = struct.unpack(">q", frame)[0]
+    return seq

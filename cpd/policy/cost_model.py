@@ -29,7 +29,7 @@ HBM 70-85 %, RDMA 80-90 %), not measured here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from cpd.costmodel.hardware import GPU, get_gpu
 from cpd.costmodel.model_shapes import ModelShape, load_config
@@ -74,7 +74,7 @@ class RooflineCostModel:
     eff: Efficiency = field(default_factory=Efficiency)
 
     @classmethod
-    def build(cls, model: str, gpu: str, tp: int = 1, **kw) -> "RooflineCostModel":
+    def build(cls, model: str, gpu: str, tp: int = 1, **kw: Any) -> "RooflineCostModel":
         """From a shipped model name or config.json path and a catalog GPU name."""
         e = kw.pop("eff", None)
         if isinstance(e, dict):

@@ -13,7 +13,8 @@ every backend goes through, and its announcements), :mod:`~cpd.store.errors`,
 variant :mod:`~cpd.store.redis_cluster_store`)."""
 from __future__ import annotations
 
-from urllib.parse import parse_qs, urlparse
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, EventSink, KVStore, PendingWrite, StoreStats,
                             StoreTimeout, StoreUnavailable)
@@ -82,7 +83,7 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
         ValueError: unknown scheme.
         StoreUnavailable: the file store's directory cannot be created.
     """
-    u = urlparse(url)
+    u = urlsplit(url)
     q = {k: v[-1] for k, v in parse_qs(u.query).items()}
     cb = chunk_blocks if chunk_blocks is not None else int(q.get("chunk_blocks", 1))
     st = stale_timeout_s if stale_timeout_s is not None else float(
@@ -101,7 +102,7 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
     if u.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
         we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE
-        kw = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
+        kw: dict[str, Any] = dict(prefix=q.get("prefix", "cpd:kv:"), timeout_s=to, chunk_blocks=cb, event_sink=event_sink,
                   stale_timeout_s=st, capacity_bytes=cap or 0, watch_evictions=we,
                   chunk_ttl_s=float(q.get("chunk_ttl_s", 0)), connection=connection_kwargs(u, q))
         if u.scheme not in ("redis", "rediss") or q.get("cluster", "0").lower() in _TRUE:

@@ -47,7 +47,7 @@ def infer_block_size(block: np.ndarray) -> int:
 
 
 def _as_bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a)).cast("B")
+    return np.ascontiguousarray(a).data.cast("B")
 
 
 def encode_parts(block_hashes: Sequence[int], blocks: Sequence[np.ndarray],

@@ -103,7 +103,7 @@ class L3Connector:
     def drain_observations(self) -> list[dict]:
         """Observations since the last call, oldest first, as JSON-ready dicts
         ``{"block_hashes": [...], "present": [[h, n], ...], "gone": [[h, n], ...]}``."""
-        out = []
+        out: list[dict] = []
         while True:
             try:
                 o = self._observations.popleft()

@@ -163,7 +163,7 @@ class FileStore(KVStore):
                 with open(self._path(k), "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
                     buf = np.empty(size, dtype=np.uint8)
-                    got = f.readinto(memoryview(buf))
+                    got = f.readinto(buf.data)
                     out.append(buf if got == size else buf[:got])
                     if self.capacity_bytes:
                         try:

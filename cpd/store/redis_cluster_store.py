@@ -87,6 +87,7 @@ class RedisClusterStore(RedisStore):
                 except StoreUnavailable:
                     raise
                 self._broken = False
+            assert self._rc is not None
             return self._rc
 
     def scripts(self) -> RedisScripts:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 import redis
@@ -79,7 +79,7 @@ class RedisErrors:
     def __enter__(self) -> "RedisErrors":
         return self
 
-    def __exit__(self, et, ev, tb) -> bool:
+    def __exit__(self, et, ev, tb) -> Literal[False]:
         if et is not None and issubclass(et, self.errors) and not issubclass(et, StoreUnavailable):
             if self.on_error is not None:
                 self.on_error()
@@ -176,10 +176,15 @@ class RedisStore(KVStore):
 
     def _init_client(self, host: str, port: int, db: int) -> None:
         self.url = f"{'rediss' if self.connection.get('ssl') else 'redis'}://{host}:{port}/{db}"
-        self.r = redis.Redis(host=host, port=port, db=db, socket_timeout=self.timeout_s,
+        self._client = redis.Redis(host=host, port=port, db=db, socket_timeout=self.timeout_s,
                              socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0),
                              health_check_interval=0, **self.connection)
-        self._scripts = RedisScripts.register(self.r)
+        self._scripts = RedisScripts.register(self._client)
+
+    @property
+    def r(self) -> Any:
+        """The redis-py client (``redis.Redis``; the cluster store's is a ``RedisCluster``)."""
+        return self._client
 
     def scripts(self) -> RedisScripts:
         """The Lua scripts, registered with this store's client."""

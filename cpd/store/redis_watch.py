@@ -23,9 +23,8 @@ NOTIFY_FLAGS = "Exe"
 
 def enable_notifications(r: redis.Redis) -> str:
     """Merge ``E``, ``x``, ``e`` into the server's ``notify-keyspace-events``; returns the new value."""
-    cur = r.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
-    if isinstance(cur, bytes):
-        cur = cur.decode()
+    raw = r.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+    cur: str = raw.decode() if isinstance(raw, bytes) else str(raw or "")
     have = set(cur) | (set("g$lshzxetd") if "A" in cur else set())
     if set(NOTIFY_FLAGS) <= have:
         return cur
