@@ -10,7 +10,9 @@ checks the worker as it checks a statically configured one (``GET /info``:
 Registration is idempotent and cheap when nothing changed (a dictionary lookup): workers
 re-register periodically (:mod:`cpd.worker.registration`), which is how a restarted router
 relearns its workers, and a storm of registrations costs the serving path nothing but the
-request parsing. A known ``worker_id`` at a new address (the worker moved or restarted
+request parsing; beyond ``max_per_s`` registrations per second (all workers together; a
+worker re-registers every few seconds) the router answers 429 before checking the signature, so a
+storm costs bounded CPU. A known ``worker_id`` at a new address (the worker moved or restarted
 elsewhere) replaces the old address; its index entries are dropped and rebuilt. At most
 ``max_workers`` distinct workers are kept (429 beyond).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI, Request
@@ -32,6 +35,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cpd.router.registration")
 DEFAULT_MAX_WORKERS = 1024
+DEFAULT_MAX_PER_S = 50.0  # registrations accepted per second, all workers together (burst: 2 s worth)
+
+
+class TokenBucket:
+    """``rate_per_s`` tokens per second, at most ``burst`` saved; :meth:`take` spends one."""
+
+    def __init__(self, rate_per_s: float, burst: float):
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self.tokens, self.t = burst, time.monotonic()
+        self.num_refused = 0
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate_per_s)
+        self.t = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.num_refused += 1
+        return False
 
 
 class Registration(BaseModel):
@@ -90,14 +113,18 @@ def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> Wo
     return w
 
 
-def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: float | None = None) -> None:
+def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: float | None = None,
+            max_per_s: float = DEFAULT_MAX_PER_S) -> None:
     """Add ``POST /cpd/register`` to the router's app (signed when ``secret`` is set)."""
-    import time
-
     from cpd.auth import DEFAULT_MAX_SKEW_S, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+    bucket = app.state.registration_bucket = TokenBucket(max_per_s, 2 * max_per_s)
 
     @app.post("/cpd/register", include_in_schema=False)
     async def register_route(request: Request):
+        if not bucket.take():
+            r = _error(429, "too many registrations; retry later", "registration_rate_limited")
+            r.headers["Retry-After"] = "1"
+            return r
         body = await request.body()
         if secret:
             bad = verify(secret, "POST", request.url.path, body, request.headers.get(TIMESTAMP_HEADER),
@@ -114,4 +141,4 @@ def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: fl
         return await register(router, reg)
 
 
-__all__ = ["Registration", "register", "install", "DEFAULT_MAX_WORKERS"]
+__all__ = ["Registration", "TokenBucket", "register", "install", "DEFAULT_MAX_WORKERS", "DEFAULT_MAX_PER_S"]
