@@ -192,11 +192,15 @@ def plot(records, kill: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def rss_table(samples: list[dict]) -> dict:
+def rss_table(samples: list[dict], warmup_s: float) -> dict:
+    """RSS per process at the first sample, after the warm-up (pools and caches filled) and at the
+    end: growth after the warm-up is what a leak looks like."""
     if not samples:
         return {}
     first, last = samples[0]["rss_bytes"], samples[-1]["rss_bytes"]
-    return {k: {"start_bytes": first.get(k), "end_bytes": last.get(k)} for k in sorted(set(first) | set(last))}
+    warm = next((x["rss_bytes"] for x in samples if x["t_s"] >= warmup_s), last)
+    return {k: {"start_bytes": first.get(k), "after_warmup_bytes": warm.get(k), "end_bytes": last.get(k)}
+            for k in sorted(set(first) | set(last))}
 
 
 def main() -> None:
@@ -260,7 +264,7 @@ def summarize_and_write(a, probe, target, reqs, res, sampler, kill) -> None:
     doc = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "probe": probe, "target_rps": target, "num_requests": len(reqs), "duration_s": res.duration_s,
            "summary": summarize(recs, res.duration_s), "errors": errors, "kill": kill,
-           "per_minute": per_minute(recs, kill.get("at_s_replay")), "rss": rss_table(sampler.samples),
+           "per_minute": per_minute(recs, kill.get("at_s_replay")), "rss": rss_table(sampler.samples, min(180.0, a.duration_s / 4)),
            "rss_samples": sampler.samples}
     (a.out / "soak.json").write_text(json.dumps(doc, indent=1, default=str))
     plot(recs, kill, a.out / "ttft_over_time.png")
