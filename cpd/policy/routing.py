@@ -40,7 +40,10 @@ TIERS = tuple(Tier)
 class CostModel(Protocol):
     """What the policy needs to know about compute and transfers (seconds, bytes)."""
 
-    kv_bytes_per_token: int
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token (all layers, K and V); read-only, so frozen models satisfy it."""
+        ...
 
     def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         """Time to compute ``num_new_tokens`` on top of ``num_cached_tokens`` of prefix."""

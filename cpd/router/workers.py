@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import httpx
 import msgspec
 
 from cpd.messages.worker_api import LoadReport, decode_body
 from cpd.policy.routing import WorkerLoad
+from cpd.types import Role
 
 
 @dataclass
@@ -57,7 +59,7 @@ class WorkerInfo:
         return self.healthy and self.state == "accepted"
 
     def snapshot(self) -> WorkerLoad:
-        return WorkerLoad(self.worker_id, self.role, self.queued_prefill_tokens, self.running_requests,
+        return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
                           self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s))
 
 
@@ -75,10 +77,11 @@ class WorkerSet:
         self.max_poll_failures = max_poll_failures  # consecutive failed polls before "unhealthy"
         self._poll_failures: dict[str, int] = {}
         self._task: asyncio.Task | None = None
-        self.on_unhealthy = None  # callback(worker_id) -> None
-        self.on_recovered = None  # callback(worker_id) -> None
-        self.admit = None  # async callback(WorkerInfo) -> bool: compatibility check (cpd.router.compat)
-        self.needs_check = None  # callback(WorkerInfo, was_healthy) -> bool: call admit after this poll?
+        self.on_unhealthy: Callable[[str], None] | None = None  # callback(worker_id)
+        self.on_recovered: Callable[[str], None] | None = None  # callback(worker_id)
+        # compatibility check (cpd.router.compat) and whether to run it after this poll
+        self.admit: Callable[[WorkerInfo], Awaitable[bool]] | None = None
+        self.needs_check: Callable[[WorkerInfo, bool], bool] | None = None
 
     def snapshots(self) -> list[WorkerLoad]:
         return [w.snapshot() for w in self.by_id.values()]
@@ -105,7 +108,7 @@ class WorkerSet:
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True
-                if self.admit is not None and self.needs_check(w, was_healthy):
+                if self.admit is not None and self.needs_check is not None and self.needs_check(w, was_healthy):
                     await self.admit(w)
             except (httpx.HTTPError, ValueError):
                 n = self._poll_failures[w.worker_id] = self._poll_failures.get(w.worker_id, 0) + 1
