@@ -21,7 +21,7 @@ class _StrEnum(str, Enum):
 
 
 class Role(_StrEnum):
-    """What a worker does (DESIGN §2 'role')."""
+    """What a worker does (docs/architecture.md 'role')."""
 
     PRE_PREFILL = "pre-prefill"  # cold prompts: full prefill + write-through to L3
     PREFILL = "prefill"          # warm prompts: load the cached prefix, compute the suffix
@@ -32,7 +32,7 @@ PREFILL_SIDE_ROLES = (Role.PRE_PREFILL, Role.PREFILL)
 
 
 class Tier(_StrEnum):
-    """Where a block's KV lives (DESIGN §2 'tier')."""
+    """Where a block's KV lives (docs/architecture.md 'tier')."""
 
     L1 = "L1"  # the worker's paged KV pool (device memory)
     L2 = "L2"  # the worker's host-DRAM pool
@@ -40,14 +40,14 @@ class Tier(_StrEnum):
 
 
 class Topology(_StrEnum):
-    """How the prefill side is organised (DESIGN §2 'topology')."""
+    """How the prefill side is organised (docs/architecture.md 'topology')."""
 
     CPD = "cpd"  # cold prompts to the pre-prefill pool, warm ones to the prefill pool
     PD = "pd"    # plain prefill/decode disaggregation: every prompt to the prefill pool
 
 
 class RequestClass(_StrEnum):
-    """The router's classification of a request for one routing decision (DESIGN §2 'cold / warm')."""
+    """The router's classification of a request for one routing decision (docs/architecture.md 'cold / warm')."""
 
     COLD = "cold"
     WARM = "warm"

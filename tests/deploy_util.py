@@ -79,7 +79,7 @@ def random_prompt(seed: int, n: int) -> list[int]:
 
 
 def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str = "auto") -> list[int]:
-    """Greedy tokens of one plain in-process engine running the prompt alone (DESIGN §4 oracle),
+    """Greedy tokens of one plain in-process engine running the prompt alone (docs/architecture.md oracle),
     at the dtype the deployed workers run (``engine.dtype``, default auto)."""
     from cpd.engine.dtype import resolve_dtype
     from cpd.engine.engine import Engine

@@ -1,7 +1,7 @@
 """End-to-end tests: router + pre-prefill + prefill + decode as real processes,
 real HTTP, the official openai client, real Redis for L3.
 
-The correctness oracle (DESIGN §4): greedy tokens do not depend on the path a
+The correctness oracle (docs/architecture.md): greedy tokens do not depend on the path a
 request took — cold on pre-prefill, warm from L1, warm from L3 after L1/L2 were
 cleared, in pd topology, and one plain engine in-process.
 """

@@ -1,5 +1,5 @@
 """Faults in a running deployment (real processes, real Redis): every request still
-gets the oracle's tokens, nothing hangs, fallbacks are counted (DESIGN §4).
+gets the oracle's tokens, nothing hangs, fallbacks are counted (docs/architecture.md).
 
 Order matters inside this module: the last test stops Redis.
 """

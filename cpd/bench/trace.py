@@ -3,7 +3,7 @@
 ``cpd.traces`` holds the one implementation: readers (every format), token blocks
 (``tokens(h)`` from ``default_rng([seed, key])``, the shrink rule), the arrival model and the
 replay schedule. This module only adapts in-memory Mooncake rows (``TraceRow``) to it.
-Reuse is the DESIGN's reuse ratio: cached prefix tokens / prompt tokens over an infinite cache of
+Reuse is the reuse ratio of docs/architecture.md (Terms): cached prefix tokens / prompt tokens over an infinite cache of
 the replayed requests, in the trace's tokens; ``trace_class`` is ``warm`` at ``>= warm_threshold``.
 """
 from __future__ import annotations

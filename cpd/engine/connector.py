@@ -23,7 +23,7 @@ EventSink = Callable[[KVCacheEvent], None]
 class KVConnector(Protocol):
     """The engine's view of the L3 store. Implementations must never raise on
     store faults from ``lookup``/``load``: they return 0 / ``None`` so the engine
-    recomputes (DESIGN §4 'Fallbacks')."""
+    recomputes (docs/architecture.md 'Fallbacks')."""
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
         """Number of leading blocks of ``block_hashes`` that are VISIBLE in L3."""

@@ -567,7 +567,7 @@ class Engine:
                 want = hashes[k:k + limit]
                 try:
                     n = min(int(self.connector.lookup(want)), limit)
-                except Exception:  # store faults mean "miss" (DESIGN §4 fallbacks)
+                except Exception:  # store faults mean "miss" (docs/architecture.md fallbacks)
                     log.warning("L3 lookup failed; recomputing", exc_info=True)
                     n = 0
                 arrays = None

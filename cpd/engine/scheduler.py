@@ -1,4 +1,4 @@
-"""The engine's step scheduler: a pure function of a snapshot (DESIGN §3).
+"""The engine's step scheduler: a pure function of a snapshot (docs/architecture.md).
 
 Used unchanged by the live engine (``cpd.engine.engine``) and by the simulator
 (``cpd.sim``). No I/O, no clock, no threads.

@@ -1,4 +1,4 @@
-"""Chained, namespaced block hashes (DESIGN §2) — the one implementation used by
+"""Chained, namespaced block hashes (docs/architecture.md) — the one implementation used by
 router, workers, store and simulator.
 
 Definition (pinned by test vectors in ``tests/test_block_hash.py``)::
@@ -42,7 +42,7 @@ HASH_VERSION = b"cpd-ns-v1"
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that makes KV non-interchangeable (DESIGN §2 'namespace').
+    """Everything that makes KV non-interchangeable (docs/architecture.md 'namespace').
 
     Two requests whose namespaces differ in any field never share a block.
     """

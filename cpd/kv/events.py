@@ -1,4 +1,4 @@
-"""KV cache events in vLLM's wire format (DESIGN §4 'KV events').
+"""KV cache events in vLLM's wire format (docs/architecture.md 'KV events').
 
 Source: vLLM ``vllm/distributed/kv_events.py``. Events are msgspec structs encoded
 as tagged msgpack arrays; a batch is ``[ts, [event, ...], data_parallel_rank]``.

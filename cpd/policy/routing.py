@@ -1,4 +1,4 @@
-"""Cache-aware routing policy (DESIGN §3, §4): pure code, no I/O, no clock, no threads.
+"""Cache-aware routing policy (docs/architecture.md): pure code, no I/O, no clock, no threads.
 
 The live router (``cpd.router``) and the simulator (``cpd.sim``) import this very
 module. Inputs are snapshots; the output is a :class:`RouteDecision` value.
@@ -9,7 +9,7 @@ Decision, per request:
    longest leading run of blocks found in ``w``'s L1, ``w``'s L2 or the global L3
    (visible blocks only). Blocks are taken from the nearest tier holding them:
    L1 ``[0, a)``, then L2 ``[a, b)``, then L3 ``[max(a, b), c)``.
-2. Load versus recompute (DESIGN §4): a tier's segment is loaded only if
+2. Load versus recompute (docs/architecture.md): a tier's segment is loaded only if
    ``bytes / bandwidth + overhead`` is below the modeled recompute time of those
    tokens on top of the prefix before it; otherwise that segment and everything
    after it are recomputed (a later block's KV needs the earlier ones).

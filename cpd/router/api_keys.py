@@ -10,7 +10,7 @@ authenticate themselves (``/cpd/register``, signed with the internal secret) ans
 the OpenAI error body when the key is missing or unknown. No keys configured: no client
 authentication and no tenants (one trusted client population).
 
-Tenants (DESIGN §4 "Tenants"): the tenant of the authenticated key goes into the block-hash
+Tenants (docs/architecture.md "Tenants"): the tenant of the authenticated key goes into the block-hash
 namespace's salt, server side; a body ``cache_salt`` can only add to it
 (:func:`effective_cache_salt`). Two keys of different tenants therefore never share a KV block
 in any tier, whatever salts their bodies carry. The tenant travels from the middleware to the

@@ -1,6 +1,6 @@
 """The CPD backend of the router: route, prefill, hand off, relay decode tokens.
 
-Per request (DESIGN §3 request flow):
+Per request (docs/architecture.md request flow):
 
 1. Hash the prompt's full blocks (:mod:`cpd.kv.block_hash`, tenant salt applied).
 2. Ask the pure policy (:func:`cpd.policy.routing.route`) with the index match and
@@ -320,7 +320,7 @@ class CPDBackend:
         reports, per probe or read, exactly which chunks were present and which were missing
         or corrupt, and only those change — valid chunks before or after a bad one stay, and
         chunks the index had lost are relearned. A plan that promised more L3 blocks than were
-        loaded is counted as ``stale_index`` (DESIGN §4)."""
+        loaded is counted as ``stale_index`` (docs/architecture.md)."""
         # the probes happened during the prefill call (``prefill_s`` long, timed by the worker):
         # chunks learned since it began (e.g. from this request's own write-through, sealed
         # after its probe) may be newer than a probe and are spared

@@ -1,4 +1,4 @@
-"""Measured inputs of the live cost model (DESIGN §4 'Load versus recompute').
+"""Measured inputs of the live cost model (docs/architecture.md 'Load versus recompute').
 
 Exponentially weighted moving averages (EWMA, weight ``alpha`` on the newest sample)
 of the prefill rate and of the effective bandwidth per tier, from what workers

@@ -1,4 +1,4 @@
-"""The router's global prefix index, fed by KV events (DESIGN §3, §4).
+"""The router's global prefix index, fed by KV events (docs/architecture.md).
 
 For every block hash it records which workers hold it in L1 (medium ``GPU``) or L2
 (medium ``CPU``), as a bitmask of workers per tier (one dict lookup per block and tier

@@ -14,7 +14,7 @@ Cancellation: the front *closes* the async generator returned by
 :meth:`GenerationBackend.generate` (``await agen.aclose()``, or by cancelling the task that
 is iterating it) when it no longer wants tokens — a stop string matched, the client
 disconnected, or an error happened. A backend must treat that as "cancel this request on
-every worker and free its blocks" (DESIGN §4 'Fallbacks': client disconnects → work is
+every worker and free its blocks" (docs/architecture.md 'Fallbacks': client disconnects → work is
 cancelled). Put the cancellation in a ``try/finally`` inside the generator; the ``finally``
 runs on ``aclose()`` (``GeneratorExit``) and on task cancellation (``CancelledError``).
 """

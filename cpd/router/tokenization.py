@@ -1,6 +1,6 @@
 """Prompt tokenization shared by the router and the workers.
 
-The router must tokenize exactly as the engine does (DESIGN §3, Router), so both load the
+The router must tokenize exactly as the engine does (docs/architecture.md, Router), so both load the
 tokenizer through :func:`load_tokenizer` and turn text / chat messages into token ids with
 the same two methods:
 

@@ -1,6 +1,6 @@
 """The engine's L3 connector: :class:`cpd.engine.connector.KVConnector` over a :class:`KVStore`.
 
-Fallbacks (DESIGN §4): ``lookup``/``load`` never raise on store faults — an unreachable store
+Fallbacks (docs/architecture.md): ``lookup``/``load`` never raise on store faults — an unreachable store
 or a corrupt/missing value yields 0 / ``None`` and is counted in :attr:`L3Connector.fallback_counts`
 by kind:
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 class StoreUnavailable(Exception):
     """The store cannot be reached (connection refused/reset, timeout, directory gone).
     The single error type every store operation raises for store faults; callers treat it
-    as a miss (DESIGN §4 'Fallbacks')."""
+    as a miss (docs/architecture.md 'Fallbacks')."""
 
 
 class StoreTimeout(StoreUnavailable):

@@ -1,7 +1,7 @@
 """KV handoff transport (package): move one request's KV (a contiguous array, e.g.
 ``[layers, 2, tokens, kv_heads, head_dim]`` float32, up to tens of MB) plus small JSON-able
 metadata from the prefill-side worker (:class:`HandoffSender`) to the decode worker
-(:class:`HandoffReceiver`). DESIGN §2 'handoff'.
+(:class:`HandoffReceiver`). docs/architecture.md 'handoff'.
 
 Paths
 -----
