@@ -1,6 +1,6 @@
 """Worker admission: the router uses a worker only if its KV and its context fit the deployment.
 
-Why (DESIGN §2 "namespace"): the router hashes a prompt's blocks with the deployment's namespace
+Why (docs/architecture.md, Terms: "namespace"): the router hashes a prompt's blocks with the deployment's namespace
 (model id, weights digest, tokenizer digest, adapter, block size, KV dtype and layout). A worker
 whose engine hashes with another namespace never holds the blocks the router predicts, so every
 predicted hit on it is a miss, and each miss deletes valid index entries. A worker whose
@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 
 from cpd.kv.block_hash import Namespace
+from cpd.messages.worker_api import WorkerInfoReport, decode_body
 from cpd.router.workers import WorkerInfo
 
 log = logging.getLogger("cpd.router")
@@ -79,14 +81,12 @@ def needs_check(w: WorkerInfo, was_healthy: bool) -> bool:
 
 
 async def fetch_info(client: httpx.AsyncClient, w: WorkerInfo) -> dict[str, Any]:
-    """``GET /info`` of ``w``. Raises ``httpx.HTTPError`` (transport or HTTP status) or
-    ``ValueError`` (not a JSON object)."""
+    """``GET /info`` of ``w``, decoded through :class:`cpd.messages.worker_api.WorkerInfoReport`
+    and returned as plain JSON values. Raises ``httpx.HTTPError`` (transport or HTTP status) or
+    ``ValueError`` (:class:`~cpd.messages.worker_api.MalformedBody`: not that message)."""
     r = await client.get(f"{w.url}/info", timeout=INFO_TIMEOUT_S)
     r.raise_for_status()
-    info = r.json()
-    if not isinstance(info, dict):
-        raise ValueError("GET /info did not return a JSON object")
-    return info
+    return msgspec.to_builtins(decode_body(r.content, WorkerInfoReport))
 
 
 async def admit(client: httpx.AsyncClient, w: WorkerInfo, req: Requirements) -> bool:

@@ -20,8 +20,8 @@ from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclos
 from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from cpd.router.openai_front.sse import SSE_DONE, SSEResponse, sse_event
 from cpd.router.openai_front.text_state import TextState, drain
-from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, is_token_list, parse_stop,
-                                                single_prompt, validation_error)
+from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, single_prompt,
+                                                validation_error)
 from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
 from cpd.router.tokenization import MessageError, Tokenizer
