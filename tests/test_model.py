@@ -172,3 +172,29 @@ def test_digests_track_content(tmp_path):
     assert tokenizer_digest(a) == tokenizer_digest(c) and len(tokenizer_digest(a)) == 32
     (a / "tokenizer.json").write_text((a / "tokenizer.json").read_text() + " ")
     assert tokenizer_digest(a) != tokenizer_digest(c)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_equal_length_prefills_batched_in_one_sdpa_call(tmp_path, dtype, tol):
+    """Equal-length fresh sequences take the batched SDPA path; mixed with a different length
+    and a chunk on a cached prefix in the same flat batch, each row equals its own full forward."""
+    d = make_tiny_llama_dir(tmp_path / "m", seed=4, num_heads=6, num_kv_heads=2)
+    model, cfg = load_model_dir(d, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, cfg.vocab_size, (12,), generator=g) for _ in range(3)]
+    other = torch.randint(0, cfg.vocab_size, (7,), generator=g)
+    grown = torch.randint(0, cfg.vocab_size, (15,), generator=g)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, 40, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    tables = [[3 * i + 2, 3 * i + 1, 3 * i] for i in range(3)] + [[20, 19], [30, 28, 26, 24]]
+    model(grown[:9], build_metadata([SeqBatchInfo(0, 9, tables[4])], 4), kv)  # cached prefix of `grown`
+    infos = [SeqBatchInfo(0, 12, t) for t in tables[:3]] + [SeqBatchInfo(0, 7, tables[3]),
+                                                             SeqBatchInfo(9, 6, tables[4])]
+    out = model(torch.cat(seqs + [other, grown[9:]]), build_metadata(infos, 4), kv)
+    rows = torch.split(out, [12, 12, 12, 7, 6])
+    for s, r in zip(seqs + [other], rows):
+        kv1 = torch.zeros(cfg.num_hidden_layers, 2, 8, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+        ref = model(s, build_metadata([SeqBatchInfo(0, len(s), list(range(-(-len(s) // 4))))], 4), kv1)
+        assert (r - ref).abs().max().item() < tol
+    kv1 = torch.zeros(cfg.num_hidden_layers, 2, 8, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    ref = model(grown, build_metadata([SeqBatchInfo(0, 15, [0, 1, 2, 3])], 4), kv1)
+    assert (rows[4] - ref[9:]).abs().max().item() < tol

@@ -291,13 +291,18 @@ class DecoderLayer(nn.Module):
         takes a bottom-right causal mask). With ``T``, into a ``[T, nh*d]`` buffer whose rows
         not covered by ``seqs`` are left for the caller."""
         outs: list[tuple[int, int, torch.Tensor]] = []
+        by_len: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         rest = []
-        same = [s for s in seqs if s[1] == s[2].shape[0] and s[1] > 1]
-        if len(same) > 1 and all(s[1] == same[0][1] for s in same):
-            outs.extend(self._attend_batch(q, k_cache, v_cache, same))
-            rest = [s for s in seqs if not any(s is t for t in same)]
-        else:
-            rest = seqs
+        for sq in seqs:  # fresh sequences (no cached prefix) grouped by length
+            if sq[1] > 1 and sq[1] == sq[2].shape[0]:
+                by_len.setdefault(sq[1], []).append(sq)
+            else:
+                rest.append(sq)
+        for group in by_len.values():
+            if len(group) > 1:
+                outs.extend(self._attend_batch(q, k_cache, v_cache, group))
+            else:
+                rest.extend(group)
         for (qs, n, ctx) in rest:
             L = ctx.shape[0]
             qi = q[qs:qs + n].transpose(0, 1)[None]  # [1, nh, n, d]
