@@ -93,3 +93,20 @@ def test_infinite_cache_hit_ratio_is_the_prefix_reuse_of_the_workload():
         seen.update(r.blocks[:r.prompt_tokens // BS])
     assert sum(r["l1"] for r in sim.rec) == want
     assert sum(r["l2"] + r["l3"] for r in sim.rec) == 0
+
+
+def test_closed_loop_turn_waits_for_the_previous_answer_plus_think_time():
+    a = SimRequest(0.0, 3 * BS, 8, (1, 2, 3))
+    b = SimRequest(0.0, 5 * BS - 5, 4, (1, 2, 3, 4, 5), after=0, think_s=2.0)
+    sim = EngineSimulator(_cluster(), [a, b]).run()
+    assert sim.rec[1]["arrival"] == pytest.approx(sim.rec[0]["done_t"] + 2.0)
+    assert sim.rec[1]["cls"] == "warm"
+
+
+def test_prewarmed_sessions_are_hits_in_l3_or_else_in_l2():
+    blocks = tuple(range(50, 60))
+    req = [SimRequest(1.0, 12 * BS - 5, 2, blocks + (70, 71))]
+    with_l3 = EngineSimulator(_cluster(), req, prewarm=[blocks]).run()
+    assert with_l3.rec[0]["l3"] == 10 * BS
+    without = EngineSimulator(_cluster("pd", l3_bytes=0), req, prewarm=[blocks]).run()
+    assert without.rec[0]["l2"] == 10 * BS

@@ -37,6 +37,14 @@ VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
 
 
+def _deps(r: SimRequest) -> tuple[int, ...]:
+    """Indices of the requests ``r`` waits for (closed loop)."""
+    a = r.after
+    if isinstance(a, tuple):
+        return a
+    return (a,) if a >= 0 else ()
+
+
 class VirtualClock:
     """Collects the waits of one engine step (virtual seconds) instead of sleeping."""
 
@@ -118,7 +126,7 @@ class EngineSimulator:
     """
 
     def __init__(self, cluster: EngineClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None,
-                 vocab_size: int = VOCAB):
+                 vocab_size: int = VOCAB, prewarm: Sequence[Sequence[int]] = ()):
         self.c = cluster
         self.bs = cluster.block_size
         self.now = 0.0
@@ -135,12 +143,44 @@ class EngineSimulator:
             self.insts.append(self._instance(f"{spec.role}-{k}", spec))
         self.by_id = {w.wid: w for w in self.insts}
         self.namespace = self.insts[0].engine.namespace
-        self.reqs = sorted(requests, key=lambda r: r.arrival_s)
+        if any(_deps(r) for r in requests):
+            self.reqs = list(requests)  # closed loop: indices must stay as generated
+        else:
+            self.reqs = sorted(requests, key=lambda r: r.arrival_s)
         self.rec: list[dict | None] = [None] * len(self.reqs)
         self._tokens: dict[int, list[int]] = {}
+        self._parked: dict[int, list[int]] = {}
         self.events_run = 0
+        self._prewarm(prewarm)
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
+
+    def _prewarm(self, sessions: Sequence[Sequence[int]]) -> None:
+        """Sessions that exist before t=0, their events applied to the index at once: with L3,
+        their full blocks are written to L3 through a prefill-side engine's connector; without,
+        they go to the L2 host pools of the prefill-side engines, round-robin (as if computed
+        there earlier and spilled from L1)."""
+        side = [w for w in self.insts if w.role != DECODE]
+        if not side or not sessions:
+            return
+        lay = side[0].engine.executor.kv_layout
+        payload = side[0].engine.arrays.zeros((lay.num_layers, 2, self.bs, lay.num_kv_heads, lay.head_dim))
+        writer = next((w for w in side if w.engine.connector is not None), None)
+        for k, blocks in enumerate(sessions):
+            toks = request_tokens(SimRequest(0.0, len(blocks) * self.bs, 1, tuple(blocks)), self.bs, self._tokens,
+                                  self.vocab_size)
+            hashes = hash_blocks(toks, self.namespace)
+            if writer is not None:
+                writer.engine.connector.save(hashes, None, toks, [payload] * len(hashes))
+                continue
+            hp = side[k % len(side)].engine.host_pool
+            for j, h in enumerate(hashes):
+                hp.put(h, hashes[j - 1] if j else None, toks[j * self.bs:(j + 1) * self.bs], payload)
+        for w in side:
+            if w.batches:
+                w.seq += 1
+                self.index.apply_batch(w.wid, w.seq, KVEventBatch(ts=0.0, events=w.batches))
+                w.batches = []
 
     def _instance(self, wid: str, spec: EngineInstanceSpec) -> _Inst:
         clock = VirtualClock()
@@ -190,7 +230,9 @@ class EngineSimulator:
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s))
                 for w in self.insts]
 
-    def _arrive(self, now: float, i: int) -> None:
+    def _arrive(self, now: float, i: int, released: bool = False) -> None:
+        if not released and self._park(i):
+            return
         r = self.reqs[i]
         toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
         hashes = hash_blocks(toks, self.namespace)
@@ -246,6 +288,7 @@ class EngineSimulator:
             if w.role == DECODE:
                 if o.finished:
                     rec["done_t"] = now
+                    self._release(now, i)
                 continue
             if o.new_token_ids and rec["ttft_t"] is None:
                 rec["ttft_t"] = now
@@ -256,7 +299,25 @@ class EngineSimulator:
                 self._handoff(now, w, i)
             elif o.finished:
                 rec["done_t"] = now
+                self._release(now, i)
         self._kick(now, w)
+
+    # -- closed loop -------------------------------------------------------------------
+    def _park(self, i: int) -> bool:
+        """Park request ``i`` on the first request it waits for that has not finished."""
+        for d in _deps(self.reqs[i]):
+            prev = self.rec[d]
+            if prev is None or prev["done_t"] is None:
+                self._parked.setdefault(d, []).append(i)
+                return True
+        return False
+
+    def _release(self, now: float, i: int) -> None:
+        for j in self._parked.pop(i, ()):
+            if self._park(j):
+                continue
+            r = self.reqs[j]
+            self.at(max(now + r.think_s, r.arrival_s), self._arrive, j, True)
 
     def _handoff(self, now: float, w: _Inst, i: int) -> None:
         kv, toks = w.engine.export_kv(str(i))
