@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 
 import httpx
 
@@ -115,9 +115,10 @@ class CPDBackend:
         self.decode_slots = {wid: asyncio.Semaphore(max_decode_per_worker) for wid in workers.by_id}
         self.recent = RecentRequests()  # request_id -> routing record (bounded)
 
-    def decide(self, req: GenerationRequest, excluded: set[str] = frozenset()) -> tuple[RouteDecision, list[BlockHash]]:
+    def decide(self, req: GenerationRequest,
+               excluded: set[str] | frozenset[str] = frozenset()) -> tuple[RouteDecision, list[BlockHash]]:
         """Route ``req``; workers in ``excluded`` (failed for this request) are not candidates."""
-        hashes = hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt))
+        hashes = cast(list[BlockHash], hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt)))
         match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
         try:
             d = route(len(req.prompt_token_ids), match, self._snapshots(set(excluded)), self.cfg, self.estimates.model())
@@ -256,6 +257,7 @@ class CPDBackend:
         prompt is recomputed. After a decoded token, a failure ends the request with an error."""
         token_ids, num_generated = pre.answer.token_ids or [], len(pre.answer.first_token_ids)
         decode_worker, staged = pre.decision.decode_worker, pre
+        assert decode_worker is not None  # decide() refuses decisions without one
         sent = False
         try:
             for attempt in range(self.timeouts.max_decode_attempts):

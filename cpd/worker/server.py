@@ -35,7 +35,7 @@ from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.worker_api import (Ack, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot, L3Observation,
                                      L3Snapshot, LoadReport, MalformedBody, PrefillRequest, PrefillResponse,
                                      WorkerHealth, WorkerInfoReport, decode_body, encode)
-from cpd.types import Role, Tier
+from cpd.types import BlockHash, Role, Tier
 from cpd.worker.runtime import EngineRunner
 
 
@@ -288,7 +288,7 @@ async def _l3_snapshot(st: WorkerState):
         keys = await asyncio.to_thread(store.list_visible)
     except StoreUnavailable as e:
         return _error(f"L3 store unavailable: {e}", 503)
-    return _reply(L3Snapshot(chunk_blocks=store.chunk_blocks, chunks=[(int(h), int(n)) for h, n in keys]))
+    return _reply(L3Snapshot(chunk_blocks=store.chunk_blocks, chunks=[(BlockHash(int(h)), int(n)) for h, n in keys]))
 
 
 def _self_url(request: Request) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 log = logging.getLogger("cpd.router.openai_api")
 
@@ -19,7 +19,7 @@ async def aclose_quietly(agen: Any) -> None:
         log.exception("backend generator raised while closing")
 
 
-async def wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def wait_disconnect(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
     """Return when the ASGI server reports ``http.disconnect`` (call only after the body
     has been read completely)."""
     while True:
@@ -42,12 +42,14 @@ class CancelOnDisconnect:
     the request body has been read completely.
     """
 
-    def __init__(self, receive: Callable[[], Awaitable[dict]]):
+    def __init__(self, receive: Callable[[], Awaitable[Mapping[str, Any]]]):
         self._receive = receive
         self.gone = False
 
     async def __aenter__(self) -> "CancelOnDisconnect":
-        self._task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None  # entered from a coroutine running in a task
+        self._task = task
         self._watch = asyncio.ensure_future(self._run())
         return self
 

@@ -30,7 +30,7 @@ class HandoffReceiver:
         self.force_tcp = force_tcp
         self.timeout_s = timeout_s
         self.host_id = host_identity()
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[tuple[str, str | None], mmap.mmap] = {}
         self._socks: dict[tuple[str, int], socket.socket] = {}
         self._lock = threading.Lock()
         self._st = {"fetched_shm": 0, "fetched_tcp": 0, "viewed_shm": 0, "bytes_fetched": 0, "stale_detected": 0}
@@ -180,7 +180,7 @@ class HandoffReceiver:
                     sock.close()
                     raise HandoffError("size mismatch from sender")
                 if n:
-                    recv_exact(sock, memoryview(out.reshape(-1).view(np.uint8)))
+                    recv_exact(sock, memoryview(out.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # numpy arrays are buffers
                 self._keep(addr, sock)
                 return
             except HandoffError:
