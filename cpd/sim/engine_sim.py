@@ -18,10 +18,13 @@ tokens are derived from the trace's block ids (:func:`block_tokens`).
 from __future__ import annotations
 
 import heapq
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from cpd.engine.engine import Engine, EngineRequest, SamplingParams
 from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
@@ -60,13 +63,15 @@ class VirtualClock:
 
 
 def block_tokens(block_id: int, block_size: int, vocab_size: int = VOCAB) -> list[int]:
-    """The deterministic token ids of one trace block (a different run per block id)."""
-    x = (block_id * 0x9E3779B97F4A7C15 + 1) & 0xFFFFFFFFFFFFFFFF
-    out = []
-    for _ in range(block_size):
-        x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
-        out.append(1 + (x >> 33) % (vocab_size - 1))
-    return out
+    """The deterministic token ids of one trace block (splitmix64 of ``(block_id, position)``,
+    in ``[1, vocab_size)``; a different run per block id)."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(block_id & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x9E3779B97F4A7C15) \
+            + np.arange(1, block_size + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (1 + x % np.uint64(vocab_size - 1)).tolist()
 
 
 def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]], vocab_size: int = VOCAB) -> list[int]:
@@ -134,7 +139,7 @@ class EngineSimulator:
         self._n = 0
         self.stop_s = stop_s
         self.vocab_size = vocab_size
-        self._tmp = tempfile.mkdtemp(prefix="cpd-sim-l3-")
+        self._tmp = tempfile.mkdtemp(prefix="cpd-sim-l3-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.index = PrefixIndex()
         self.insts: list[_Inst] = []
         counts: dict[str, int] = {}
