@@ -47,10 +47,11 @@ def load_secret(path: str | None = None, env: dict | None = None) -> bytes | Non
         value = text[0].strip() if text else ""
         source = path
     else:
-        value = (env if env is not None else os.environ).get(SECRET_ENV)
+        found = (env if env is not None else os.environ).get(SECRET_ENV)
         source = f"${SECRET_ENV}"
-        if value is None:
+        if found is None:
             return None
+        value = found
         value = value.strip()
     if not value:
         raise ValueError(f"the internal secret in {source} is empty")

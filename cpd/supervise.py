@@ -129,6 +129,7 @@ class Supervisor:
 
     def _on_exit(self, c: Child, now: float) -> None:
         c.ready.clear()
+        assert c.proc is not None  # only a started child exits
         c.last_exit_code = c.proc.returncode
         uptime_s = now - c.started_at_s
         c.failures = self.policy.next_failures(c.failures, uptime_s)

@@ -108,7 +108,9 @@ def analyze(
         best = min((rc, "recompute"), (l2, "L2"), (l3, "L3"))[1]
         L.append(f"| {p} (p{int(q * 100)}) | {rc:.3f} | {l2:.3f} | {l3:.3f} | {best} |")
     # blocking verdict: M/G/1 on the shared prefill queue of 2 prefill instances (as one server of 2x speed)
-    svc, cold_svc, warm_svc = [], [], []
+    svc: list[float] = []
+    cold_svc: list[float] = []
+    warm_svc: list[float] = []
     for r, c, u in zip(reqs, prof.cached_tokens, prof.reuse):
         s = cost.prefill_time_s(r.prompt_tokens - c, c) + (cost.load_time_s("L3", c * cost.kv_bytes_per_token) if c else 0)
         s /= 2.0
@@ -144,8 +146,8 @@ def analyze(
              + ", ".join(f"{k} {v:.1f} GPUs (≈{nodes[k]} node(s) of 4)" for k, v in split.items()))
     verdict = "* **no supported verdict**: no simulation was run (--no-simulate); the queueing estimate above is not one."
     if simulate:
-        cap = 1.0 / (es * 12)  # QPS/GPU at which the shared 2P prefill pool would be 100 % busy
-        pts = sorted({round(cap * f, 2) for f in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)})
+        cap_qps = 1.0 / (es * 12)  # QPS/GPU at which the shared 2P prefill pool would be 100 % busy
+        pts = sorted({round(cap_qps * f, 2) for f in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)})
         gain_txt, verdict = _quick_sim(trace, tr, sim_steady_s, model, gpu, kv_dtype_bytes, pts, nodes, session_rate)
         L.append(f"* quick simulation ({sim_steady_s:.0f} s steady per point, arrivals as `cpd simulate --trace`): {gain_txt}")
     L.append(verdict)

@@ -278,6 +278,7 @@ async def replay(url: str, requests: Sequence[BenchRequest], *, model: str | Non
                 raise
             r = None
         if model is None:
+            assert r is not None  # without a model, a failed /v1/models call raised above
             r.raise_for_status()
             model = pick_model(r.json().get("data") or [])["id"]
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None

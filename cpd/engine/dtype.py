@@ -45,9 +45,10 @@ def resolve_dtype(name: str | torch.dtype | None, device: str | torch.device = "
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     else:
-        dt = DTYPE_NAMES.get(str(name).lower())
-        if dt is None:
+        found = DTYPE_NAMES.get(str(name).lower())
+        if found is None:
             raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(CHOICES)}")
+        dt = found
     if dt == torch.float16 and dev.type != "cuda":
         raise ValueError("float16 is supported on CUDA only; use bfloat16 or float32 on a CPU")
     if dt not in (torch.float32, torch.bfloat16, torch.float16):

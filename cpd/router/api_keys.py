@@ -60,7 +60,7 @@ class ApiKeys:
     @classmethod
     def build(cls, keys: Iterable[str] = (), key_files: Iterable[str] = ()) -> "ApiKeys":
         table: dict[bytes, str] = {}
-        pairs = [(k, None) for k in keys]
+        pairs: list[tuple[str, str | None]] = [(k, None) for k in keys]
         for path in key_files:
             pairs += parse_key_file(open(path, encoding="utf-8").read(), path)
         for key, tenant in pairs:

@@ -9,7 +9,7 @@ the model, the document follows.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -52,7 +52,9 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
 def build_document(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="OpenAI-compatible API of the cpd router")
-    models = [(m, "validation") for m in bodies.values()] + [(ErrorResponse, "validation")]
+    mode: Literal["validation", "serialization"] = "validation"
+    schemas: list[type[BaseModel]] = [*bodies.values(), ErrorResponse]
+    models = [(m, mode) for m in schemas]
     _, defs = models_json_schema(models, ref_template=_REF)
     doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
     error = {"content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
