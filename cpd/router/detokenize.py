@@ -1,6 +1,6 @@
 """Incremental detokenization and stop-string handling for streamed generation.
 
-Two pieces, used together by :mod:`cpd.router.openai_api` for every request:
+Two pieces, used together by :mod:`cpd.router.openai_front` for every request:
 
 - :class:`IncrementalDetokenizer` turns token ids, as they arrive, into text deltas whose
   concatenation equals ``tokenizer.decode(all_ids, skip_special_tokens=True)`` and that never

@@ -18,7 +18,7 @@ from cpd.router.protocol import BackendError, GenerationBackend
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from cpd.router.tokenization import Tokenizer, load_tokenizer
 
-log = logging.getLogger("cpd.router.openai_api")
+log = logging.getLogger("cpd.router.openai_front")
 
 
 def create_app(backend: GenerationBackend, tokenizer_dir: str, model_name: str,

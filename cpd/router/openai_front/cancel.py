@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, Mapping
 
-log = logging.getLogger("cpd.router.openai_api")
+log = logging.getLogger("cpd.router.openai_front")
 
 
 async def aclose_quietly(agen: Any) -> None:

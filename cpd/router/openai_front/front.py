@@ -26,7 +26,7 @@ from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
 from cpd.router.tokenization import MessageError, Tokenizer
 
-log = logging.getLogger("cpd.router.openai_api")
+log = logging.getLogger("cpd.router.openai_front")
 
 _LONG_TEXT_CHARS = 4096  # tokenize longer inputs in a worker thread
 

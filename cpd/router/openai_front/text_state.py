@@ -9,7 +9,7 @@ from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from cpd.router.protocol import GenerationChunk
 from cpd.router.tokenization import Tokenizer
 
-log = logging.getLogger("cpd.router.openai_api")
+log = logging.getLogger("cpd.router.openai_front")
 
 
 class TextState:

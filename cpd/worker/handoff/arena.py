@@ -36,7 +36,8 @@ class Arena:
         if hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd"):
             self.fd = os.memfd_create(f"{prefix}-{self.arena_id[:8]}", 0)
             self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
-            fd, self._finalizer = self.fd, weakref.finalize(self, _close_quiet, self.fd)
+            fd = self.fd
+            self._finalizer: weakref.finalize = weakref.finalize(self, _close_quiet, self.fd)
         else:
             d = _SHM_DIR or "/tmp"
             self.path = os.path.join(d, f"{prefix}-{os.getpid()}-{self.arena_id[:8]}")

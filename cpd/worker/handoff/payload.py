@@ -36,7 +36,7 @@ def as_numpy(array: Any) -> np.ndarray:
 
 
 def bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+    return memoryview(a).cast("B") if a.nbytes else memoryview(b"")  # type: ignore[arg-type]  # arrays are buffers
 
 
 def as_handle(handle: HandoffHandle | dict) -> HandoffHandle:

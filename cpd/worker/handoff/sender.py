@@ -106,7 +106,7 @@ class HandoffSender:
             self._write_region_header(off, 0, nbytes, 0)  # seqlock: invalid while being written
             if nbytes:
                 p = off + HDR_BYTES
-                np.copyto(self._arena.buf[p:p + nbytes], a.reshape(-1).view(np.uint8))
+                np.copyto(self._shm_arena.buf[p:p + nbytes], a.reshape(-1).view(np.uint8))
             self._write_region_header(off, generation, nbytes, checksum)
             ent = _Entry("shm", off, nbytes, None, generation, checksum)
         else:
@@ -117,16 +117,22 @@ class HandoffSender:
                 raise ValueError(f"request {rid!r} already staged") if not self._closed else HandoffError("sender closed")
             self._entries[rid] = ent
             self._st["staged_shm" if ent.kind == "shm" else "staged_tcp"] += 1
-        shm = ent.kind == "shm"
+        arena = self._shm_arena if off is not None else None
         return HandoffHandle(kind=ent.kind, host=self.host, port=self.port, request_id=rid, nbytes=nbytes,
                              dtype=a.dtype.str, shape=tuple(a.shape), host_id=self.host_id, generation=generation,
                              checksum=checksum, reclaim_after_s=self.reclaim_after_s, meta=meta or {},
-                             name=self._arena.path if shm else None, arena_id=self._arena.arena_id if shm else None,
-                             offset=off + HDR_BYTES if shm else None)
+                             name=arena.path if arena else None, arena_id=arena.arena_id if arena else None,
+                             offset=off + HDR_BYTES if off is not None else None)
+
+    @property
+    def _shm_arena(self) -> Arena:
+        """The arena, for shm stagings (which exist only when there is one)."""
+        assert self._arena is not None
+        return self._arena
 
     def _write_region_header(self, off: int, generation: int, nbytes: int, checksum: int) -> None:
         hdr = REGION_HDR.pack(REGION_MAGIC, generation, nbytes, checksum)
-        self._arena.buf[off:off + len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
+        self._shm_arena.buf[off:off + len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
 
     def release(self, request_id: str, generation: int | None = None) -> bool:
         """Free the request's staged data. Returns False if unknown (already released/reclaimed)
@@ -196,6 +202,7 @@ class HandoffSender:
         conn.sendall(nonce)
         proof = bytearray(HANDOFF_PROOF_BYTES)
         recv_exact(conn, memoryview(proof))
+        assert self.secret is not None  # challenged only with a secret
         if hmac.compare_digest(bytes(proof), handoff_proof(self.secret, nonce)):
             return True
         self._st["tcp_refused"] = self._st.get("tcp_refused", 0) + 1
@@ -231,7 +238,7 @@ class HandoffSender:
                 try:
                     if ent.kind == "shm":
                         p = ent.offset + HDR_BYTES
-                        view = memoryview(self._arena.mm)[p:p + ent.nbytes]
+                        view = memoryview(self._shm_arena.mm)[p:p + ent.nbytes]
                     else:
                         view = bytes_view(ent.array)
                     conn.sendall(REP.pack(0, ent.nbytes))
