@@ -168,7 +168,7 @@ def test_cluster_url_forms(cluster):
     s = open_store(cluster.url)
     k = (0xabc, 2)
     assert s.r.keyslot(s._key(k)) == s.r.keyslot(s._stage_key(k))
-    assert len({s.r.keyslot(m) for m in s.meta_keys}) == 1
+    assert len({s.r.keyslot(m) for m in s.lru.keys}) == 1
     s.close()
 
 

@@ -106,7 +106,7 @@ def test_redis_server_evictions_become_events(tmp_path, policy):
         assert not gone & present  # never a removal of something still visible
         if policy.startswith("volatile"):
             # only chunks are evictable; the bookkeeping survives and names every block
-            assert all(s.r.exists(k) for k in s.meta_keys[:2])
+            assert all(s.r.exists(k) for k in s.lru.keys[:2])
             assert all((hs[0] in gone) == (hs[1] in gone) for hs in stored)
             assert s.used_bytes() >= s.stats().bytes  # a chunk evicted before its accounting lingers
         assert s._watcher.seen >= 1 and s.stats().evicted >= 1

@@ -148,7 +148,7 @@ class RedisClusterStore(RedisStore):
                 for i, rep in zip(redo, p.execute(raise_on_error=False)):
                     won[i] = rep is True
         if self.track:
-            self._after_write(self._written(items, won))
+            self.lru.after_write(self._written(items, won))
         return won
 
     def _scan_names(self, match: str) -> list:

@@ -25,7 +25,7 @@ Protocol:
   are deleted by a Lua script only if the value's checksum trailer is unchanged (so a good value
   written meanwhile survives).
 
-Capacity (``capacity_bytes > 0``): LRU over visible chunks, shared by every process using the
+Capacity (``capacity_bytes > 0``; the bookkeeping is :mod:`cpd.store.redis_lru`): LRU over visible chunks, shared by every process using the
 store (the recency lives in the server's sorted set; reads and writes ``ZADD`` it in the same
 pipeline; the clock is the client's wall clock). After a write pushes ``used`` over the
 capacity, the writer evicts oldest-first (``DEL`` pipelined; only the process whose ``DEL``
@@ -65,6 +65,7 @@ from cpd.store.base import (DEFAULT_STALE_TIMEOUT_S, ChunkKey, EventSink, KVStor
                             StoreTimeout, StoreUnavailable)
 from cpd.store.chunk_format import encode_parts, header_hashes
 from cpd.store.redis_resp import join_parts, part_len, set_nx_many
+from cpd.store.redis_lru import RedisLRU
 from cpd.store.redis_scripts import RedisScripts
 
 class RedisErrors:
@@ -110,7 +111,7 @@ class _RedisWrite(PendingWrite):
             r = self.store.scripts().seal(keys=[self.stage, self.store._key(self.key)],
                                           args=[len(self.value), self.store.chunk_ttl_ms])
         if r == 1 and self.store.track:
-            self.store._after_write([(self.key, len(self.value), self.hashes)])
+            self.store.lru.after_write([(self.key, len(self.value), self.hashes)])
         return r == 1
 
     def _discard(self) -> None:
@@ -119,18 +120,6 @@ class _RedisWrite(PendingWrite):
                 self.store.r.delete(self.stage)
         except StoreUnavailable:
             pass  # the TTL reclaims it
-
-
-def _info(size: int, hashes: Sequence[int]) -> str:
-    return f"{size} " + ",".join(f"{int(h):x}" for h in hashes)
-
-
-def _info_hashes(info) -> list[int]:
-    if info is None:
-        return []
-    s = info.decode() if isinstance(info, (bytes, bytearray)) else str(info)
-    _, _, hs = s.partition(" ")
-    return [int(h, 16) for h in hs.split(",") if h]
 
 
 class RedisStore(KVStore):
@@ -164,11 +153,9 @@ class RedisStore(KVStore):
         self.prefix = prefix
         self.db = db
         self.timeout_s = float(timeout_s)
-        self.evict_batch = int(evict_batch)
         self.chunk_ttl_ms = int(chunk_ttl_s * 1000)
         self.track = bool(self.capacity_bytes > 0 or watch_evictions)
-        meta = "{" + prefix + "meta}"
-        self.meta_keys = [f"{meta}:lru", f"{meta}:info", f"{meta}:used"]
+        self.lru = RedisLRU(self, prefix, int(evict_batch))
         self._watcher = None
         self._init_client(host, port, db)
         if watch_evictions:
@@ -219,65 +206,17 @@ class RedisStore(KVStore):
         with self._guard():
             return bool(self.r.ping())
 
-    # ---- bookkeeping (capacity / watcher) ----------------------------------------------
-    def _account(self, written: list[tuple[ChunkKey, int, list[int]]]) -> int:
-        """Record values this client made visible; returns bytes used (store-wide)."""
-        args: list = [repr(time.time())]
-        for key, size, hs in written:
-            args += [self._key(key), _info(size, hs or [key[0]])]
-        with self._guard():
-            return int(self.scripts().account(keys=self.meta_keys, args=args))
-
-    def _forget(self, names: list[str]) -> list:
-        """Drop bookkeeping of gone chunk keys; returns each one's info (or None)."""
-        if not names:
-            return []
-        with self._guard():
-            return list(self.scripts().forget(keys=self.meta_keys, args=names))
-
-    def _removed(self, keys: list[ChunkKey], infos: list) -> None:
-        """Publish one ``BlockRemoved`` per removed chunk naming its blocks (from the
-        bookkeeping; just the last hash when that is gone)."""
-        for k, info in zip(keys, infos):
-            self.visibility.evicted_chunk(k, _info_hashes(info))
-
+    # ---- capacity (the LRU bookkeeping lives in cpd.store.redis_lru) -------------------
     def used_bytes(self) -> int:
         """Visible bytes according to the bookkeeping (0 unless tracking). Raises: StoreUnavailable."""
-        with self._guard():
-            return int(self.r.get(self.meta_keys[2]) or 0)
+        return self.lru.used_bytes()
 
     def evict_to(self, max_bytes: int) -> int:
         """LRU eviction down to ``max_bytes`` (requires bookkeeping: capacity or watcher).
         Returns chunks this call evicted. Raises: StoreUnavailable."""
-        evicted = 0
-        for _ in range(10000):
-            with self._guard():
-                names = [n.decode() for n in self.scripts().pick(keys=self.meta_keys,
-                                                        args=[int(max_bytes), self.evict_batch])]
-                if not names:
-                    break
-                p = self._pipe()
-                for n in names:
-                    p.delete(n)
-                gone = p.execute()
-            infos = self._forget(names)
-            keys, inf = [], []
-            for n, g, info in zip(names, gone, infos):
-                k = self._parse(n)
-                if g and k is not None:
-                    keys.append(k)
-                    inf.append(info)
-            evicted += len(keys)
-            self._removed(keys, inf)
+        evicted = self.lru.evict_to(max_bytes)
         self._bump(evicted=evicted)
         return evicted
-
-    def _after_write(self, written: list[tuple[ChunkKey, int, list[int]]]) -> None:
-        if not written:
-            return
-        used = self._account(written)
-        if self.capacity_bytes and used > self.capacity_bytes:
-            self.evict_to(self.capacity_bytes)
 
     # ---- primitives -------------------------------------------------------------------
     def _exists_many(self, keys: list[ChunkKey]) -> list[bool]:
@@ -296,7 +235,7 @@ class RedisStore(KVStore):
                 p.get(self._key(k))
             if self.track:  # LRU touch in the same round trip (XX: only tracked keys)
                 now = time.time()
-                p.zadd(self.meta_keys[0], {self._key(k): now for k in keys}, xx=True)
+                p.zadd(self.lru.keys[0], {self._key(k): now for k in keys}, xx=True)
             return p.execute()[:len(keys)]
 
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
@@ -306,7 +245,7 @@ class RedisStore(KVStore):
                                        self.chunk_ttl_ms)
         won = [r is not None and not isinstance(r, Exception) for r in replies]
         if self.track:
-            self._after_write(self._written(items, won))
+            self.lru.after_write(self._written(items, won))
         return won
 
     @staticmethod
@@ -325,7 +264,7 @@ class RedisStore(KVStore):
                 else:
                     ok = bool(self.scripts().invalidate(keys=[self._key(key)], args=[trailer]))
             if ok and self.track:
-                self._forget([self._key(key)])
+                self.lru.forget([self._key(key)])
             return ok
         except StoreUnavailable:
             return False
@@ -337,7 +276,7 @@ class RedisStore(KVStore):
                 p.delete(self._key(k))
             gone = [bool(x) for x in p.execute()]
         if self.track:
-            self._forget([self._key(k) for k, g in zip(keys, gone) if g])
+            self.lru.forget([self._key(k) for k, g in zip(keys, gone) if g])
         return gone
 
     def _scan_names(self, match: str) -> list:
@@ -371,7 +310,7 @@ class RedisStore(KVStore):
     def clear(self) -> int:
         n = super().clear()
         with self._guard():
-            self.r.delete(*self.meta_keys)
+            self.r.delete(*self.lru.keys)
         return n
 
     def begin_write(self, block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
@@ -415,10 +354,10 @@ class RedisStore(KVStore):
         infos = [None]
         if self.track:
             try:
-                infos = self._forget([name]) or [None]
+                infos = self.lru.forget([name]) or [None]
             except StoreUnavailable:
                 infos = [None]
-        self._removed([k], infos)
+        self.lru.announce_removed([k], infos)
         self._bump(evicted=1)
         return True
 
