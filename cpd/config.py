@@ -7,7 +7,7 @@ The tree (:class:`Config`) has one section per concern, each key with its ONE de
 * ``kv`` — L2 host pool size and the L3 store (URL, chunking, capacity);
 * ``handoff`` — the prefill→decode KV handoff (staging arena, reclaim time, TCP only);
 * ``router`` — listen address, routing (cold threshold), admission bounds, request body limit,
-  the router→worker call bounds (:class:`cpd.router.dispatch.DispatchTimeouts`), and the
+  the router→worker call bounds (:class:`cpd.router.timeouts.DispatchTimeouts`), and the
   worker list plus what the workers reported (written by the launcher);
 * ``deployment`` — topology, pool sizes, logs, supervision of the children;
 * ``auth`` — client API keys and the router/worker shared secret (:class:`cpd.auth.AuthSection`).
@@ -40,7 +40,7 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-from cpd.router.dispatch import DispatchTimeouts
+from cpd.router.timeouts import DispatchTimeouts
 
 Role = Literal["pre-prefill", "prefill", "decode"]
 Topology = Literal["cpd", "pd"]

@@ -22,7 +22,7 @@ from cpd.config import Config, ConfigError, build_config, parse_assignments
 from cpd.kv.block_hash import Namespace
 from cpd.router.api_keys import ApiKeys
 from cpd.router.app import Router
-from cpd.router.dispatch import DispatchTimeouts
+from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerInfo
 
 
