@@ -83,4 +83,4 @@ def test_twelve_modeled_workers_and_router_fit_here(tiny_model_dir):
         rss = {w["worker_id"]: _rss_mib(w["pid"]) for w in dep.alive_workers()}
         print("RSS MiB per modeled worker:", {k: round(v) for k, v in sorted(rss.items())})
         print(f"RSS MiB: max {max(rss.values()):.0f}, total {sum(rss.values()):.0f} over {len(rss)} workers")
-        assert max(rss.values()) < 400  # well under this machine's 24 GiB for 12 workers + router
+        assert max(rss.values()) < 200  # measured 71-89 MiB; 12 workers + router fit in this machine's 24 GiB
