@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from cpd.auth import client_auth
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
+from cpd.messages.worker_api import KvSnapshot, L3Snapshot, decode_body
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router import compat, registration
 from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend
@@ -31,6 +32,7 @@ from cpd.router.metrics import RouterMetrics
 from cpd.router.openai_api import create_app
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from cpd.router.workers import WorkerInfo, WorkerSet
+from cpd.types import Topology
 
 log = logging.getLogger("cpd.router")
 L3_RESYNC_RETRY_S = 2.0  # pause between failed L3 view rebuilds
@@ -52,7 +54,7 @@ class Router:
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
-        self.cfg = RoutingConfig(topology=topology, cold_threshold=cold_threshold, block_size=namespace.block_size)
+        self.cfg = RoutingConfig(topology=Topology(topology), cold_threshold=cold_threshold, block_size=namespace.block_size)
         self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token))
         self.namespace = namespace
         self.tokenizer_dir = tokenizer_dir
@@ -62,7 +64,7 @@ class Router:
         self.max_decode_per_worker = max_decode_per_worker
         self.max_request_body_bytes = max_request_body_bytes
         self.subscriber: EventSubscriber | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # created in the app's lifespan (needs its event loop)
         self.backend: CPDBackend | None = None
         self._resync_pending: set[str] = set()
         self._l3_resync_pending = True  # rebuild the L3 view from a store listing (start, gaps)
@@ -79,7 +81,7 @@ class Router:
         e.g. restarted by ``cpd serve`` between two polls) has an empty cache and an event
         sequence that starts over: its entries are dropped and rebuilt from its snapshot."""
         old_boot_id = w.boot_id
-        ok = await compat.admit(self.client, w, self.requirements)
+        ok = await compat.admit(self._http(), w, self.requirements)
         restarted = old_boot_id is not None and w.boot_id != old_boot_id
         if not ok or restarted:
             self.index.drop_worker(w.worker_id)
@@ -99,14 +101,21 @@ class Router:
             self._resync_pending.add(worker_id)
             self._l3_resync_pending = True  # its lost batches may have held L3 events
 
+    def _http(self) -> httpx.AsyncClient:
+        """The HTTP client to the workers (exists while the app runs)."""
+        if self.client is None:
+            raise RuntimeError("the router's HTTP client exists only while its app runs")
+        return self.client
+
     async def resync(self, worker_id: str) -> None:
         """Rebuild one worker's L1/L2 index entries from its snapshot."""
         w = self.workers.by_id[worker_id]
         try:
-            r = await self.client.get(f"{w.url}/kv_snapshot", timeout=5.0)
-            snap = r.json()
-            self.index.replace_worker(worker_id, snap["l1"], snap["l2"], seq=snap["seq"])
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+            r = await self._http().get(f"{w.url}/kv_snapshot", timeout=5.0)
+            r.raise_for_status()
+            snap = decode_body(r.content, KvSnapshot)  # MalformedBody is a ValueError
+            self.index.replace_worker(worker_id, snap.l1, snap.l2, seq=snap.seq)
+        except (httpx.HTTPError, ValueError) as e:
             log.warning("resync of %s failed: %r", worker_id, e)
 
     async def resync_l3(self) -> None:
@@ -120,9 +129,9 @@ class Router:
                 continue
             self.index.begin_l3_resync()
             try:
-                r = await self.client.get(f"{w.url}/l3_snapshot", timeout=30.0)
+                r = await self._http().get(f"{w.url}/l3_snapshot", timeout=30.0)
                 if r.status_code == 200:
-                    self.index.finish_l3_resync(tuple(k) for k in r.json()["chunks"])
+                    self.index.finish_l3_resync(decode_body(r.content, L3Snapshot).chunks)
                     return
                 self.index.abort_l3_resync()
                 if r.status_code == 404:  # no store on this worker
@@ -155,7 +164,7 @@ class Router:
             router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                                                   keepalive_expiry=2.0),
                                               auth=client_auth(router.internal_secret))
-            router.backend.client = router.client
+            backend.client = router.client
             router.subscriber = EventSubscriber(router._on_batch)
             for w in router.workers.by_id.values():
                 router.subscriber.add(w.worker_id, w.events_endpoint)
@@ -171,8 +180,9 @@ class Router:
             router.subscriber.close()
             await router.client.aclose()
 
-        self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates, self.metrics,
-                                  client=None, max_in_flight=self.max_in_flight,
+        backend = self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates,
+                                            self.metrics, client=None,  # type: ignore[arg-type]  # set in lifespan
+                                            max_in_flight=self.max_in_flight,
                                   max_decode_per_worker=self.max_decode_per_worker, timeouts=self.timeouts)
         app = create_app(TenantScopedBackend(self.backend), self.tokenizer_dir, self.model_name, self.max_model_len,
                          max_request_body_bytes=self.max_request_body_bytes)
