@@ -44,7 +44,7 @@ def load_mooncake(path: str | Path, start: int = 0, max_requests: int | None = N
             continue
         if max_requests is not None and len(rows) >= max_requests:
             break
-        rows.append(TraceRow(r.t_s * 1000.0, r.input_tokens, r.output_tokens, tuple(r.hash_ids), idx))
+        rows.append(TraceRow(r.t_s * 1000.0, r.input_tokens, r.output_tokens, tuple(r.hash_ids or ()), idx))
     return rows
 
 

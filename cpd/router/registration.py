@@ -96,7 +96,8 @@ def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> Wo
     if known is None:
         w = WorkerInfo(reg.worker_id, reg.role, reg.url, reg.events_endpoint)
         router.workers.by_id[w.worker_id] = w
-        router.backend.decode_slots.setdefault(w.worker_id, asyncio.Semaphore(router.max_decode_per_worker))
+        if router.backend is not None:  # the app is built (always, once requests arrive)
+            router.backend.decode_slots.setdefault(w.worker_id, asyncio.Semaphore(router.max_decode_per_worker))
         log.warning("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
         new_events = True
     elif (known.url, known.events_endpoint, known.role) != (reg.url, reg.events_endpoint, reg.role):
