@@ -209,3 +209,43 @@ def test_handle_for_another_arena_is_refused():
         with pytest.raises(HandoffError):
             HandoffReceiver().view(bad)
         assert np.array_equal(HandoffReceiver().view(h), np.arange(16, dtype=np.float32))
+
+
+def _sender_process(value: float):
+    code = ("import json, sys, msgspec, numpy as np\n"
+            "from cpd.worker.handoff import HandoffSender\n"
+            "s = HandoffSender(arena_bytes=8 << 20)\n"
+            f"print(msgspec.json.encode(s.stage('r', np.full(1024, {value}, np.float32))).decode(), flush=True)\n"
+            "sys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p, json.loads(p.stdout.readline())
+
+
+def test_receiver_drops_maps_of_restarted_senders():
+    """A mapping keeps a dead sender's memfd alive: each restart of a prefill-side worker must not
+    leave one more arena mapped in the decode worker (issue 7 §8)."""
+    r = HandoffReceiver()
+    try:
+        for i in range(4):  # a sender "restarted" four times
+            p, h = _sender_process(float(i))
+            assert np.array_equal(r.fetch(h), np.full(1024, float(i), np.float32))
+            assert r.stats()["arenas_mapped"] == 1
+            p.kill()
+            p.wait(10)
+    finally:
+        r.close()
+
+
+def test_receiver_maps_at_most_max_arenas_of_live_senders():
+    senders = [HandoffSender(arena_bytes=4 << 20) for _ in range(3)]
+    r = HandoffReceiver(max_arenas=2)
+    try:
+        handles = [s.stage("r", np.full(64, float(i), np.float32)) for i, s in enumerate(senders)]
+        for _ in range(2):
+            for i, h in enumerate(handles):
+                assert np.array_equal(r.fetch(h), np.full(64, float(i), np.float32))
+                assert r.stats()["arenas_mapped"] <= 2
+    finally:
+        r.close()
+        for s in senders:
+            s.close()

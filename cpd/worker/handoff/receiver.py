@@ -6,6 +6,7 @@ import mmap
 import os
 import socket
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -25,12 +26,17 @@ class HandoffReceiver:
         secret: shared internal secret; answers the sender's TCP challenge (:mod:`cpd.auth`).
     """
 
-    def __init__(self, force_tcp: bool = False, timeout_s: float = 10.0, secret: bytes | None = None):
+    def __init__(self, force_tcp: bool = False, timeout_s: float = 10.0, secret: bytes | None = None,
+                 max_arenas: int = 16):
         self.secret = secret
         self.force_tcp = force_tcp
         self.timeout_s = timeout_s
+        self.max_arenas = max(1, int(max_arenas))
         self.host_id = host_identity()
-        self._maps: dict[tuple[str, str | None], mmap.mmap] = {}
+        # sender arenas mapped here, least recently used first: a mapping keeps a dead sender's
+        # memfd alive, so maps of senders that are gone are dropped and at most max_arenas are kept
+        self._maps: OrderedDict[tuple[str, str | None], mmap.mmap] = OrderedDict()
+        self._map_files: dict[tuple[str, str | None], tuple[int, int]] = {}  # key -> (st_dev, st_ino)
         self._socks: dict[tuple[str, int], socket.socket] = {}
         self._lock = threading.Lock()
         self._st = {"fetched_shm": 0, "fetched_tcp": 0, "viewed_shm": 0, "bytes_fetched": 0, "stale_detected": 0}
@@ -141,10 +147,14 @@ class HandoffReceiver:
         key = (path, arena_id)
         with self._lock:
             mm = self._maps.get(key)
-            if mm is None:
+            if mm is not None:
+                self._maps.move_to_end(key)
+            else:
+                self._prune_maps_locked()
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    size = os.fstat(fd).st_size
+                    st = os.fstat(fd)
+                    size = st.st_size
                     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                    prot=mmap.PROT_READ)
                 finally:
@@ -153,7 +163,33 @@ class HandoffReceiver:
                     mm.close()
                     raise OSError(f"{path} is not arena {arena_id}")
                 self._maps[key] = mm
+                self._map_files[key] = (st.st_dev, st.st_ino)
             return mm
+
+    def _prune_maps_locked(self) -> None:
+        """Before mapping one more arena: unmap those whose sender is gone (its ``/proc/<pid>/fd``
+        path no longer names the file mapped), then the least recently used beyond
+        ``max_arenas - 1``."""
+        for key in [k for k in self._maps if self._file_of(k[0]) != self._map_files.get(k)]:
+            self._unmap_locked(key)
+        for key in list(self._maps)[:max(0, len(self._maps) - (self.max_arenas - 1))]:
+            self._unmap_locked(key)
+
+    @staticmethod
+    def _file_of(path: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _unmap_locked(self, key: tuple[str, str | None]) -> None:
+        self._map_files.pop(key, None)
+        mm = self._maps.pop(key)
+        try:
+            mm.close()
+        except BufferError:  # a zero-copy view of it is still alive: it is freed with the view
+            pass
 
     def _fetch_tcp(self, handle: HandoffHandle, out: np.ndarray) -> None:
         addr = (handle.host, handle.port)
@@ -216,6 +252,7 @@ class HandoffReceiver:
         with self._lock:
             maps, socks = list(self._maps.values()), list(self._socks.values())
             self._maps.clear()
+            self._map_files.clear()
             self._socks.clear()
         for m in maps:
             try:
