@@ -103,3 +103,27 @@ def test_client_cancels_count_as_cancelled_not_error(dep):
     assert after.get("error", 0) == before.get("error", 0), (before, after)
     assert after.get("ok", 0) == before.get("ok", 0), (before, after)
     deploy_util.assert_no_leaks(dep)
+
+
+def test_stop_string_match_counts_as_ok_not_cancelled(dep):
+    """The front closes the backend generator once a stop string matched: that ends a finished
+    request (outcome ok), not a cancelled one (non-streaming and streaming)."""
+    body = {"model": dep.model_name, "prompt": deploy_util.random_prompt(6, 20), "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}
+    text = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    mid = text.strip()[len(text.strip()) // 2:][:3]
+    assert mid, f"the model produced no text to stop on: {text!r}"
+    before = _outcomes(dep)
+    r = httpx.post(f"{dep.url}/v1/completions", json=dict(body, stop=[mid]), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=dict(body, stop=[mid], stream=True), timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":"stop"' in events[-2].replace(" ", "")
+    deadline = time.monotonic() + 10
+    after = _outcomes(dep)
+    while after.get("ok", 0) < before.get("ok", 0) + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _outcomes(dep)
+    assert after.get("ok", 0) == before.get("ok", 0) + 2, (before, after)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0), (before, after)
+    deploy_util.assert_no_leaks(dep)

@@ -141,7 +141,8 @@ class CPDBackend:
                 if chunk.finish_reason is not None:
                     outcome = "ok"
         except (GeneratorExit, asyncio.CancelledError):  # closed at a yield, or cancelled mid-await
-            outcome = "cancelled"                         # (the front cancels on client disconnect)
+            # the front closes on client disconnect (cancelled) or once a stop string matched (done)
+            outcome = "ok" if req.control.stop_matched else "cancelled"
             raise
         finally:
             self.in_flight -= 1

@@ -43,6 +43,8 @@ class GenerationRequest:
       router (for TTFT accounting).
     - ``sampling``: the one sampling type (:class:`cpd.messages.sampling.SamplingParams`),
       validated by its constructor; ``max_tokens`` is always set by the front.
+    - ``control``: state the front shares with the backend while the request runs (shared by
+      copies made with ``dataclasses.replace``, e.g. by the tenant wrapper).
     """
 
     request_id: str
@@ -51,6 +53,19 @@ class GenerationRequest:
     cache_salt: str | None = None
     endpoint: str = "completions"
     arrival_time: float | None = None
+    control: "RequestControl" = field(default_factory=lambda: RequestControl())
+
+
+@dataclass
+class RequestControl:
+    """Mutable per-request state shared by the front and the backend.
+
+    - ``stop_matched``: set by the front just before it closes the generator because the
+      request is complete on its side (a stop string matched): the close then ends a finished
+      request, not a cancelled one (metrics count it ``ok``).
+    """
+
+    stop_matched: bool = False
 
 
 @dataclass

@@ -210,6 +210,7 @@ class OpenAIFront:
                     if state.finish_reason is not None:
                         if state.backend_finished:
                             await drain(it)
+                        greq.control.stop_matched = True
                         break
                 else:
                     parts.append(state.on_end())
@@ -313,6 +314,7 @@ class OpenAIFront:
                     await emit(sse_event(err))
                     await emit(SSE_DONE)
                     return
+                greq.control.stop_matched = state.finish_reason is not None  # complete here: closing is not a cancel
                 await aclose_quietly(agen)
                 await emit(chunk(None if chat else "", state.finish_reason))
                 if p.include_usage:
