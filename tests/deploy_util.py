@@ -55,8 +55,11 @@ def assert_no_leaks(dep: Deployment) -> None:
     stats = wait_pools_idle(dep)
     leaked = {w: s for w, s in stats.items() if s["num_in_use"] != 0}
     assert not leaked, f"blocks still in use after the test: {leaked}"
+    auth = dep.internal_client_auth()
     for w in dep.alive_workers():  # handoff staging memory released too
-        load = httpx.get(f"{w['url']}/load", timeout=5).json()
+        r = httpx.get(f"{w['url']}/load", timeout=5, auth=auth)
+        r.raise_for_status()
+        load = r.json()
         if load.get("handoff"):
             assert load["handoff"].get("num_staged", 0) == 0, f"{w['worker_id']} handoff not released: {load['handoff']}"
 

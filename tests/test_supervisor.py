@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from conftest import free_port
+from cpd.auth import SECRET_ENV, client_auth
 from cpd.supervise import RestartPolicy, read_status
 from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record
 
@@ -32,7 +33,10 @@ RESTART_BOUND_S = 90.0  # a killed worker is serving again within this (backoff 
 
 
 class Serve:
-    """A ``cpd serve`` child process and what a test needs to see of it."""
+    """A ``cpd serve`` child process and what a test needs to see of it (its internal secret is
+    set here, so the test can sign its calls to the workers' internal endpoints)."""
+
+    SECRET = "supervisor-test-secret"
 
     def __init__(self, model_dir: str, log_dir: Path):
         self.port = free_port()
@@ -43,7 +47,7 @@ class Serve:
             [sys.executable, "-m", "cpd.cli", "serve", "--model", model_dir, "--decode", "2", "--port", str(self.port),
              "--log-dir", str(log_dir), "--num-blocks", "256", "--host-kv-bytes", str(16 << 20),
              "--torch-threads", "1", "--restart-backoff-s", str(BACKOFF_S)],
-            stdout=self.out, stderr=subprocess.STDOUT)
+            stdout=self.out, stderr=subprocess.STDOUT, env={**os.environ, SECRET_ENV: self.SECRET})
         self.model_name = os.path.basename(model_dir)
         self.seen_pids: set[int] = set()
 
@@ -76,8 +80,12 @@ class Serve:
         ws = httpx.get(f"{self.url}/cpd/workers", timeout=5).json()
         return [{"worker_id": wid, **w} for wid, w in ws.items()]
 
+    def internal_client_auth(self):
+        return client_auth(self.SECRET.encode())
+
     def pool_stats(self) -> dict[str, dict]:
-        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5).json()["pool"] for w in self.alive_workers()}
+        return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5, auth=self.internal_client_auth()).json()["pool"]
+                for w in self.alive_workers()}
 
     def wait_serving(self, timeout_s: float = RESTART_BOUND_S) -> float:
         """Wait until every process is up and ready and the router sees every worker healthy;
@@ -255,8 +263,8 @@ def test_no_decode_worker_left_fast_clear_503_then_recovers(serve, tiny_model_di
 def test_sigint_stops_every_child(serve):
     pids = serve.pids()
     assert len(pids) == 5  # router + pp0 + p0 + d0 + d1
-    markers = {_cmdline(pids["router"]).split("--config ")[1].split()[0]}  # this deployment's router config
-    markers |= {_cmdline(p).split("--kv-store ")[1].split()[0] for w, p in pids.items() if w != "router"}
+    # this deployment's config files (router.toml, workers.toml): every child names one of them
+    markers = {_cmdline(p).split("--config ")[1].split()[0] for p in pids.values()}
     serve.proc.send_signal(signal.SIGINT)
     assert serve.proc.wait(60) == 0
     assert "stopped" in serve.output()
