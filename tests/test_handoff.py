@@ -249,3 +249,21 @@ def test_receiver_maps_at_most_max_arenas_of_live_senders():
         r.close()
         for s in senders:
             s.close()
+
+
+def test_stage_into_fills_the_staging_area_directly_and_frees_it_when_fill_fails():
+    with HandoffSender(arena_bytes=4 << 20) as s:
+        free0 = s.stats()["arena_free_bytes"]
+        src = np.arange(1000, dtype=np.int16).reshape(10, 100)
+        for force_tcp in (False, True):
+            h = s.stage_into(f"r{force_tcp}", src.shape, src.dtype, lambda out: np.copyto(out, src), force_tcp=force_tcp)
+            assert (h.kind == "tcp") == force_tcp
+            assert np.array_equal(HandoffReceiver().fetch(h), src)
+            assert s.release(h.request_id, h.generation)
+
+        def boom(out):
+            out[:] = 7
+            raise RuntimeError("export failed")
+        with pytest.raises(RuntimeError):
+            s.stage_into("bad", src.shape, src.dtype, boom)
+        assert s.stats()["arena_free_bytes"] == free0 and s.stats()["num_staged"] == 0

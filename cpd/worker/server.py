@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -259,18 +260,24 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
         return _reply(resp)
 
     def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
-        with st.runner.engine_lock:
-            kv, token_ids = st.engine.export_kv(rid)
+        token_ids: list[int] = []
+        with st.runner.engine_lock:  # the KV is gathered straight into its staging area: one copy
+            handle = st.sender.stage_into(rid, st.engine.export_kv_shape(rid), _kv_wire_dtype(st.engine),
+                                          lambda out: token_ids.extend(st.engine.export_kv_into(rid, out)))
             st.engine.release(rid)
-        arr = st.engine.arrays.to_numpy(kv)  # bf16 KV travels as its raw bits (int16; numpy has no bf16)
-        return arr, token_ids, st.sender.stage(rid, arr)
+        return token_ids, handle
 
-    arr, token_ids, handle = await asyncio.to_thread(export_and_stage)
+    token_ids, handle = await asyncio.to_thread(export_and_stage)
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
-    return _reply(msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(arr.nbytes),
+    return _reply(msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes),
                                           token_ids=list(token_ids)))
+
+
+def _kv_wire_dtype(engine) -> np.dtype:
+    """The numpy dtype the engine's KV travels as (bf16 as its raw bits, int16: numpy has no bf16)."""
+    return engine.arrays.to_numpy(engine.arrays.zeros([1])).dtype
 
 
 def _drain_l3_observations(st: WorkerState) -> list[L3Observation]:

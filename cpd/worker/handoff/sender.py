@@ -9,7 +9,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -79,16 +79,61 @@ class HandoffSender:
     def stage(self, request_id: str, array: Any, meta: dict | None = None,
               force_tcp: bool = False) -> HandoffHandle:
         """Copy ``array`` (any shape/dtype; made C-contiguous) for pickup and return its handle.
-
-        Uses the shm arena if there is room (after reclaiming expired entries), else TCP. The
-        handle carries a fresh generation and the payload checksum (module docstring).
+        See :meth:`stage_into`.
         Raises:
             ValueError: ``request_id`` already staged and not released.
         """
         a = np.ascontiguousarray(as_numpy(array))
+        return self.stage_into(request_id, a.shape, a.dtype, lambda out: np.copyto(out, a), meta, force_tcp)
+
+    def stage_into(self, request_id: str, shape: tuple[int, ...], dtype: Any,
+                   fill: Callable[[np.ndarray], Any], meta: dict | None = None,
+                   force_tcp: bool = False) -> HandoffHandle:
+        """Stage a ``shape``/``dtype`` array that ``fill(out)`` writes straight into its staging
+        area (the shm arena region, or a private buffer for TCP) — the producer's one copy is
+        the only one. Uses the arena if there is room (after reclaiming expired entries), else
+        TCP. The handle carries a fresh generation and the payload checksum (module docstring).
+        Raises:
+            ValueError: ``request_id`` already staged and not released.
+            Whatever ``fill`` raises (the staging area is freed first).
+        """
+        dt = np.dtype(dtype)
         rid = str(request_id)
-        nbytes = int(a.nbytes)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         self.reclaim()
+        off, generation = self._reserve(rid, nbytes, force_tcp)
+        # fill outside the lock; the entry becomes servable only once complete
+        if off is not None:
+            self._write_region_header(off, 0, nbytes, 0)  # seqlock: invalid while being written
+            p = off + HDR_BYTES
+            out = self._shm_arena.buf[p:p + nbytes].view(dt).reshape(shape)
+        else:
+            out = np.empty(shape, dtype=dt)
+        try:
+            if nbytes:
+                fill(out)
+        except BaseException:
+            if off is not None:
+                with self._lock:
+                    self._free(_Entry("shm", off, nbytes, None, generation, 0))
+            raise
+        checksum = payload_checksum(bytes_view(out))
+        if off is not None:
+            self._write_region_header(off, generation, nbytes, checksum)
+            ent = _Entry("shm", off, nbytes, None, generation, checksum)
+        else:
+            ent = _Entry("tcp", 0, nbytes, out, generation, checksum)
+        self._publish(rid, ent)
+        arena = self._shm_arena if off is not None else None
+        return HandoffHandle(kind=ent.kind, host=self.host, port=self.port, request_id=rid, nbytes=nbytes,
+                             dtype=dt.str, shape=tuple(int(x) for x in shape), host_id=self.host_id,
+                             generation=generation, checksum=checksum, reclaim_after_s=self.reclaim_after_s,
+                             meta=meta or {}, name=arena.path if arena else None,
+                             arena_id=arena.arena_id if arena else None,
+                             offset=off + HDR_BYTES if off is not None else None)
+
+    def _reserve(self, rid: str, nbytes: int, force_tcp: bool) -> tuple[int | None, int]:
+        """An arena region (``None``: TCP) and a fresh generation for a new staging of ``rid``."""
         with self._lock:
             if self._closed:
                 raise HandoffError("sender closed")
@@ -99,30 +144,16 @@ class HandoffSender:
                 off = self._arena.alloc(HDR_BYTES + nbytes)
                 if off is None:
                     self._st["arena_full_fallbacks"] += 1
-            generation = next(self._generations)
-        # copy outside the lock; the entry becomes servable only once complete
-        checksum = payload_checksum(bytes_view(a))
-        if off is not None:
-            self._write_region_header(off, 0, nbytes, 0)  # seqlock: invalid while being written
-            if nbytes:
-                p = off + HDR_BYTES
-                np.copyto(self._shm_arena.buf[p:p + nbytes], a.reshape(-1).view(np.uint8))
-            self._write_region_header(off, generation, nbytes, checksum)
-            ent = _Entry("shm", off, nbytes, None, generation, checksum)
-        else:
-            ent = _Entry("tcp", 0, nbytes, a.copy(), generation, checksum)
+            return off, next(self._generations)
+
+    def _publish(self, rid: str, ent: "_Entry") -> None:
+        """Make a complete staging servable (or free it if the id was taken or the sender closed)."""
         with self._lock:
             if self._closed or rid in self._entries:
                 self._free(ent)
                 raise ValueError(f"request {rid!r} already staged") if not self._closed else HandoffError("sender closed")
             self._entries[rid] = ent
             self._st["staged_shm" if ent.kind == "shm" else "staged_tcp"] += 1
-        arena = self._shm_arena if off is not None else None
-        return HandoffHandle(kind=ent.kind, host=self.host, port=self.port, request_id=rid, nbytes=nbytes,
-                             dtype=a.dtype.str, shape=tuple(a.shape), host_id=self.host_id, generation=generation,
-                             checksum=checksum, reclaim_after_s=self.reclaim_after_s, meta=meta or {},
-                             name=arena.path if arena else None, arena_id=arena.arena_id if arena else None,
-                             offset=off + HDR_BYTES if off is not None else None)
 
     @property
     def _shm_arena(self) -> Arena:
