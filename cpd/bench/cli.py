@@ -39,9 +39,9 @@ def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: in
     if vocab_size is not None:
         return Vocab(vocab_size, _parse_ids(special_ids), source="cli")
     if tokenizer:
-        v = vocab_from_tokenizer(tokenizer)
+        tv = vocab_from_tokenizer(tokenizer)
         extra = _parse_ids(special_ids)
-        return Vocab(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
+        return Vocab(tv.size, tuple(sorted(set(tv.special_ids) | set(extra))), tv.source) if extra else tv
     v = vocab_from_model_card(card)
     if v is None:
         # a server on this machine may name its model by its directory (cpd serve does)

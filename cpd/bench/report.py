@@ -73,8 +73,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
     """
     ok = [r for r in records if r.ok]
     if duration_s is None:
-        sent = [r for r in records if r.send_s is not None]
-        duration_s = (max(r.send_s + (r.e2e_s or 0.0) for r in sent) - min(r.send_s for r in sent)) if sent else 0.0
+        sent = [(r.send_s, r.e2e_s or 0.0) for r in records if r.send_s is not None]
+        duration_s = (max(s + e for s, e in sent) - min(s for s, _ in sent)) if sent else 0.0
     dur = duration_s if duration_s and duration_s > 0 else None
     kinds: dict[str, int] = {}
     for r in records:

@@ -43,7 +43,7 @@ from cpd.engine.executor import Executor, ForwardSeq
 from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
-from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for, schedule
+from cpd.engine.scheduler import SchedulePlan, SchedulerConfig, SeqState, blocks_for, schedule
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.messages.sampling import SamplingParams
 
@@ -171,9 +171,11 @@ class Engine:
                  seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None):
         self.model_dir = Path(model_dir) if model_dir is not None else None
         if executor is None:  # the default: real model math (cpd.engine.executor_torch)
+            if model_dir is None:
+                raise ValueError("Engine needs a model_dir, or an executor")
             from cpd.engine.executor_torch import TorchExecutor
             executor = TorchExecutor(model_dir, device=device, dtype=dtype, seed=seed, model_id=model_id)
-        self.executor = executor
+        self.executor: Executor = executor
         self.model = getattr(executor, "model", None)
         self.device = getattr(executor, "device", None)
         self.dtype = getattr(executor, "dtype", None)
@@ -265,6 +267,8 @@ class Engine:
     def _submit(self, cmd: tuple, rid: str | None = None, new: bool = False, prefill_tokens: int = 0) -> None:
         with self._inbox_lock:
             if new:
+                if rid is None:
+                    raise ValueError("a new request needs its id")
                 if rid in self._live_ids:
                     raise ValueError(f"duplicate request id {rid!r}")
                 self._live_ids.add(rid)
@@ -465,9 +469,9 @@ class Engine:
                     self._free(r)
                     self._pending_outputs.append(StepOutput(rid, [], True, "abort"))
                     return
-        r = self._held.pop(rid, None)
-        if r is not None:
-            self._free(r)
+        held = self._held.pop(rid, None)
+        if held is not None:
+            self._free(held)
 
     def _update_load(self) -> None:
         q = sum(max(0, r.prompt_len - r.num_computed) for r in list(self._waiting) + self._running
@@ -646,9 +650,9 @@ class Engine:
             reserve += need
             budget -= n
             slots -= 1
-        for r, e in failed:
+        for r, err in failed:
             self._waiting.remove(r)
-            self._fail(r, e, "prepare")
+            self._fail(r, err, "prepare")
         return out
 
     # ------------------------------------------------------------------ L3 write-through
@@ -729,7 +733,7 @@ class Engine:
             self._update_load()
             return outputs
 
-    def _admit(self, prepared: list[_Req]) -> tuple[object, dict[str, _Req]]:
+    def _admit(self, prepared: list[_Req]) -> tuple[SchedulePlan[str], dict[str, _Req]]:
         """Schedule this step: preempt, admit, and return ``(plan, requests by id)``."""
         cfg = self.scheduler_config
         plan = schedule(

@@ -62,12 +62,15 @@ class Executor(Protocol):
 
     config: Any
     kv_layout: KVLayout
-    arrays: KVArrays
     kv_bytes_per_token: int
     model_id: str
     weights_digest: str
     tokenizer_digest: str
     kv_dtype: str
+
+    @property
+    def arrays(self) -> KVArrays:  # read-only here: an executor may hold a narrower kind (NumpyKVArrays)
+        ...
 
     def payload_bytes(self, model_bytes: int) -> int:
         """Bytes the pools actually hold for ``model_bytes`` of the served model's KV."""

@@ -38,6 +38,15 @@ class KVArrays(Protocol):
         """``[L, 2, num_tokens, H, D]`` contiguous KV of the first ``num_tokens`` tokens held in
         ``blocks`` (in order) of the pool array ``kv``."""
 
+    def gather_tokens_into(self, kv: Any, blocks: Sequence[int], num_tokens: int, out: Any) -> Any:
+        """Write the first ``num_tokens`` tokens' KV of ``blocks`` into ``out`` (an array of this
+        kind, or any writable buffer, of exactly ``[L, 2, num_tokens, H, D]`` elements of this
+        dtype); returns it as this kind of array."""
+
+    def scatter_tokens(self, kv: Any, blocks: Sequence[int], src: Any) -> None:
+        """Write ``src`` ``[L, 2, n, H, D]`` (any kind) into the first ``n`` token slots of
+        ``blocks`` (in order) of the pool array ``kv``."""
+
 
 def _gather_into(take, kv: Any, blocks: Sequence[int], num_tokens: int, out: Any) -> None:
     """Shared body of ``gather_tokens_into``: one gather per (layer, K/V) straight into

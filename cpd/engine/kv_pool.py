@@ -130,6 +130,8 @@ class KVPool:
     def _evict_one(self) -> int:
         b, _ = self._evictable.popitem(last=False)
         h = self.block_hash[b]
+        if h is None:
+            raise RuntimeError(f"evictable block {b} has no block hash")
         parent, toks = self._meta.pop(b)
         if self.host_pool is not None and self.host_pool.enabled:
             self.host_pool.put(h, parent, toks, self.block_view(b))  # spill before reuse

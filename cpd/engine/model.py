@@ -212,7 +212,7 @@ def _fused_linears(outs: Sequence[int], i: int, bias: bool, device, dtype) -> tu
     for o in outs:
         lin = _linear(i, o, bias, "meta", dtype)
         lin.weight = nn.Parameter(w[o0:o0 + o], requires_grad=False)
-        if bias:
+        if bvec is not None:  # iff bias
             lin.bias = nn.Parameter(bvec[o0:o0 + o], requires_grad=False)
         lins.append(lin)
         o0 += o
@@ -275,6 +275,8 @@ class DecoderLayer(nn.Module):
         B = q.shape[0]
         nkv, d = self.nkv, self.d
         nb, bs = kv_layer.shape[1], kv_layer.shape[2]
+        if meta.decode_blocks is None:
+            raise ValueError("batched decode attention needs meta.decode_blocks")
         kv = kv_layer.view(2, nb, bs * nkv * d).index_select(1, meta.decode_blocks)
         Tm = meta.decode_max_blocks * bs
         kv = kv.view(2, B, Tm, nkv, d).to(q.dtype)
@@ -348,6 +350,8 @@ class LlamaModel(nn.Module):
         dtype: parameter / activation dtype (float32 default; RoPE and RMSNorm
             statistics are always computed in float32).
     """
+
+    inv_freq: torch.Tensor  # registered buffer (non-persistent)
 
     def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -24,7 +24,10 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generic, Sequence, TypeVar
+
+# A sequence id: the engine's request ids are str, the simulator's are request indices.
+RequestId = TypeVar("RequestId", str, int)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class SeqState:
+class SeqState(Generic[RequestId]):
     """Snapshot of one sequence.
 
     Attributes:
@@ -55,21 +58,21 @@ class SeqState:
         num_allocated_blocks: KV blocks the sequence holds now (cached prefix included).
     """
 
-    request_id: str
+    request_id: RequestId
     num_tokens: int
     num_computed_tokens: int
     num_allocated_blocks: int
 
 
 @dataclass(frozen=True)
-class ScheduledSeq:
-    request_id: str
+class ScheduledSeq(Generic[RequestId]):
+    request_id: RequestId
     num_new_tokens: int
     num_new_blocks: int
 
 
 @dataclass(frozen=True)
-class SchedulePlan:
+class SchedulePlan(Generic[RequestId]):
     """The step's decision.
 
     Attributes:
@@ -79,9 +82,9 @@ class SchedulePlan:
         num_batched_tokens: sum of ``num_new_tokens``.
     """
 
-    scheduled: tuple[ScheduledSeq, ...]
-    admitted: tuple[str, ...]
-    preempted: tuple[str, ...]
+    scheduled: tuple[ScheduledSeq[RequestId], ...]
+    admitted: tuple[RequestId, ...]
+    preempted: tuple[RequestId, ...]
     num_batched_tokens: int
 
 
@@ -98,8 +101,8 @@ def _new_blocks(seq: SeqState, n: int, cfg: SchedulerConfig) -> int:
     return max(0, blocks_for(seq.num_computed_tokens + n, cfg.block_size) - seq.num_allocated_blocks)
 
 
-def schedule(running: Sequence[SeqState], waiting: Sequence[SeqState], num_free_blocks: int,
-             cfg: SchedulerConfig) -> SchedulePlan:
+def schedule(running: Sequence[SeqState[RequestId]], waiting: Sequence[SeqState[RequestId]], num_free_blocks: int,
+             cfg: SchedulerConfig) -> SchedulePlan[RequestId]:
     """Decide one engine step.
 
     Args:
@@ -114,8 +117,8 @@ def schedule(running: Sequence[SeqState], waiting: Sequence[SeqState], num_free_
     """
     budget = cfg.max_num_batched_tokens
     free = num_free_blocks
-    out: list[ScheduledSeq] = []
-    preempted: list[str] = []
+    out: list[ScheduledSeq[RequestId]] = []
+    preempted: list[RequestId] = []
     live = list(running)
     i = 0
     while i < len(live):
@@ -138,7 +141,7 @@ def schedule(running: Sequence[SeqState], waiting: Sequence[SeqState], num_free_
         budget -= n
         out.append(ScheduledSeq(seq.request_id, n, need))
         i += 1
-    admitted: list[str] = []
+    admitted: list[RequestId] = []
     num_seqs = len(live)
     for seq in waiting:
         if num_seqs >= cfg.max_num_seqs or budget <= 0:

@@ -104,13 +104,14 @@ class _ByteTable:
 def _byte_table_for(tok: Any) -> _ByteTable | None:
     """The (shared, per tokenizer) byte table, or ``None`` if the tokenizer is not
     byte-level BPE."""
-    table = getattr(tok, "_cpd_byte_table", False)
-    if table is False:
-        table = _ByteTable(tok) if _is_byte_level(tok.hf) else None
-        try:
-            tok._cpd_byte_table = table
-        except AttributeError:
-            pass
+    cached: Any = getattr(tok, "_cpd_byte_table", False)  # _ByteTable | None once computed
+    if cached is not False:
+        return cached
+    table = _ByteTable(tok) if _is_byte_level(tok.hf) else None
+    try:
+        tok._cpd_byte_table = table
+    except AttributeError:
+        pass
     return table
 
 

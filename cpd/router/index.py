@@ -230,7 +230,7 @@ def _run_ends(masks: dict[int, int], block_hashes: Sequence[int], start: int, gr
     ends: dict[int, int] = {}
     lo, cur = 0, group
     while cur:
-        k = bisect_left(acc, True, lo, key=lambda x, c=cur: x != c)  # first k with acc[k] != cur
+        k = bisect_left(acc, True, lo, key=lambda x: x != cur)  # first k with acc[k] != cur
         nxt = acc[k] if k < len(acc) else 0
         gone = cur & ~nxt
         while gone:

@@ -35,6 +35,7 @@ from cpd.policy.cost_model import RooflineCostModel
 from cpd.policy.routing import RoutingConfig, WorkerLoad, route
 from cpd.router.index import PrefixIndex
 from cpd.sim.workload import SimRequest
+from cpd.types import Role
 
 VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
@@ -111,7 +112,7 @@ class EngineClusterSpec:
 @dataclass
 class _Inst:
     wid: str
-    role: str
+    role: Role
     engine: Engine
     clock: VirtualClock
     batches: list = field(default_factory=list)
@@ -152,7 +153,7 @@ class EngineSimulator:
             self.reqs = list(requests)  # closed loop: indices must stay as generated
         else:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
-        self.rec: list[dict | None] = [None] * len(self.reqs)
+        self.rec: list[dict[str, Any] | None] = [None] * len(self.reqs)
         self._tokens: dict[int, list[int]] = {}
         self._parked: dict[int, list[int]] = {}
         self.events_run = 0
@@ -170,13 +171,13 @@ class EngineSimulator:
             return
         lay = side[0].engine.executor.kv_layout
         payload = side[0].engine.arrays.zeros((lay.num_layers, 2, self.bs, lay.num_kv_heads, lay.head_dim))
-        writer = next((w for w in side if w.engine.connector is not None), None)
+        writer = next((w.engine.connector for w in side if w.engine.connector is not None), None)
         for k, blocks in enumerate(sessions):
             toks = request_tokens(SimRequest(0.0, len(blocks) * self.bs, 1, tuple(blocks)), self.bs, self._tokens,
                                   self.vocab_size)
             hashes = hash_blocks(toks, self.namespace)
             if writer is not None:
-                writer.engine.connector.save(hashes, None, toks, [payload] * len(hashes))
+                writer.save(hashes, None, toks, [payload] * len(hashes))
                 continue
             hp = side[k % len(side)].engine.host_pool
             for j, h in enumerate(hashes):
@@ -203,7 +204,7 @@ class EngineSimulator:
             connector = L3Connector(store, event_sink=sink, write_async=False)
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
                      scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex)
-        w = _Inst(wid, spec.role, eng, clock)
+        w = _Inst(wid, Role(spec.role), eng, clock)
         w_box.append(w)
         return w
 
@@ -287,7 +288,7 @@ class EngineSimulator:
         w.busy = False
         for o in outs:
             i = int(o.request_id)
-            rec = self.rec[i]
+            rec = self._record(i)
             if o.num_cached_tokens_by_tier is not None and "l1" not in rec:
                 rec.update({t.lower(): n for t, n in o.num_cached_tokens_by_tier.items()})
             if w.role == DECODE:
@@ -306,6 +307,13 @@ class EngineSimulator:
                 rec["done_t"] = now
                 self._release(now, i)
         self._kick(now, w)
+
+    def _record(self, i: int) -> dict[str, Any]:
+        """The record of request ``i``, which has been routed (it has one)."""
+        rec = self.rec[i]
+        if rec is None:
+            raise RuntimeError(f"request {i} has no record: it was never routed")
+        return rec
 
     # -- closed loop -------------------------------------------------------------------
     def _park(self, i: int) -> bool:
@@ -327,7 +335,7 @@ class EngineSimulator:
     def _handoff(self, now: float, w: _Inst, i: int) -> None:
         kv, toks = w.engine.export_kv(str(i))
         w.engine.release(str(i))
-        d = self.by_id[self.rec[i]["decode"]]
+        d = self.by_id[self._record(i)["decode"]]
         d.engine.add_decode_request(str(i), toks, kv, SamplingParams(max_tokens=self.reqs[i].output_tokens,
                                                                      ignore_eos=True), num_generated=1)
         self._kick(now, d)

@@ -188,8 +188,16 @@ def _r(x: float, nd: int = 6) -> float | None:
     return round(float(x), nd)
 
 
-def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, Any]:
-    """Metrics over requests arriving in ``[t0, t1)`` (the steady window). Times in s."""
+# (prefill tokens, decode tokens, link bytes by "<role>.<link>"): totals so far, or over a window
+_TokenCounts = tuple[int, int, dict[str, float]]
+
+
+def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int,
+              win_tokens: _TokenCounts | None = None) -> dict[str, Any]:
+    """Metrics over requests arriving in ``[t0, t1)`` (the steady window). Times in s.
+
+    ``win_tokens``: tokens computed and link bytes moved during the window (from two
+    :func:`_snapshot` s); without it the throughput and link-bytes metrics are left out."""
     end = sim.now
     win = [(i, rec) for i, rec in enumerate(sim.rec) if rec is not None and t0 <= rec[0] < t1]
     n = len(win)
@@ -230,9 +238,8 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
     dec = [w for w in sim.insts if w.role == ROLE_DECODE]
     pgpus = sum(w.cost.tp for w in pre) or 1
     dgpus = sum(w.cost.tp for w in dec) or 1
-    win_tokens = getattr(sim, "_win_tokens", None)
     sched = sum(1 for r in sim.reqs if t0 <= r.arrival_s < t1)
-    out = {
+    out: dict[str, Any] = {
         "requests": n,
         "arrival_ratio": _r(min(1.0, n / sched) if sched else 1.0),
         "deferred_turns": sim.deferred,
@@ -258,7 +265,7 @@ def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int) -> dict[str, 
     return out
 
 
-def _snapshot(sim: Simulator):
+def _snapshot(sim: Simulator) -> _TokenCounts:
     pt = sum(w.tokens for w in sim.insts if w.role != ROLE_DECODE)
     dt = sum(w.tokens for w in sim.insts if w.role == ROLE_DECODE)
     lb: dict[str, float] = {}
@@ -280,14 +287,15 @@ def run_point(exp: dict, config: str, qps_per_gpu: float, overrides: dict | None
     ramp, steady = exp.get("ramp_s", 30), exp.get("steady_s", 600)
     t0, t1 = float(ramp), float(ramp + steady)
     sim = Simulator(cluster, reqs, stop_s=t1 + exp.get("drain_s", 60), on_progress=on_progress, prewarm=prewarm)
-    snaps = {}
+    snaps: dict[str, _TokenCounts] = {}
     sim.at(t0, lambda now: snaps.__setitem__("a", _snapshot(sim)))
     sim.at(t1, lambda now: snaps.__setitem__("b", _snapshot(sim)))
     sim.run()
     a, b = snaps.get("a"), snaps.get("b", _snapshot(sim))
+    win: _TokenCounts | None = None
     if a is not None:
-        sim._win_tokens = (b[0] - a[0], b[1] - a[1], {k: b[2][k] - a[2].get(k, 0) for k in b[2]})
-    s = summarise(sim, t0, t1, cluster.num_gpus)
+        win = (b[0] - a[0], b[1] - a[1], {k: b[2][k] - a[2].get(k, 0) for k in b[2]})
+    s = summarise(sim, t0, t1, cluster.num_gpus, win_tokens=win)
     s.update({"config": config, "qps_per_gpu": _r(qps_per_gpu), "qps_total": _r(total),
               "num_gpus": cluster.num_gpus, "simulated_s": _r(sim.now), "events": sim.events_run})
     return s

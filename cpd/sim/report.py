@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
-PUBLISHED = {
+_Published = TypedDict("_Published", {"source": str, "2P1D_saturation_qps_per_gpu": tuple[float, float],
+                                      "CPD_saturation_qps_per_gpu": tuple[float, float], "gain": tuple[float, float]})
+
+PUBLISHED: _Published = {
     "source": "Together AI, 'Cache-aware prefill-decode disaggregation (CPD) for up to 40% faster "
               "long-context LLM serving' (blog, 2026), https://www.together.ai/blog/cache-aware-disaggregated-inference",
     "2P1D_saturation_qps_per_gpu": (0.75, 0.8),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from cpd.engine import scheduler as _scheduler
 from cpd.engine.scheduler import SchedulerConfig, SeqState, blocks_for
@@ -41,6 +41,7 @@ from cpd.policy.cost_model import RooflineCostModel
 from cpd.sim.cache import BlockLRU, leading_in
 from cpd.sim.links import Link
 from cpd.sim.workload import SimRequest
+from cpd.types import Role
 
 # The very functions the live system uses (tests assert identity).
 route = _routing.route
@@ -88,18 +89,18 @@ class ClusterSpec:
 class _Seq:
     __slots__ = ("i", "req", "num_tokens", "computed", "alloc", "shared", "remaining", "enq_t", "adm_t", "inst")
 
-    def __init__(self, i: int, req: SimRequest, num_tokens: int, computed: int):
+    def __init__(self, i: int, req: SimRequest, num_tokens: int, computed: int, inst: _Inst):
         self.i, self.req, self.num_tokens, self.computed = i, req, num_tokens, computed
         self.alloc = 0
         self.shared = 0  # leading blocks that are L1 prefix-cache hits (counted in the LRU, not in used)
         self.remaining = 0
         self.enq_t = self.adm_t = -1.0
-        self.inst = None
+        self.inst = inst  # the instance it is queued / running on
 
 
 class _Inst:
     def __init__(self, sim: "Simulator", wid: str, spec: InstanceSpec):
-        self.wid, self.spec, self.role, self.cost, self.cfg = wid, spec, spec.role, spec.cost, spec.sched
+        self.wid, self.spec, self.role, self.cost, self.cfg = wid, spec, Role(spec.role), spec.cost, spec.sched
         bs = sim.bs
         self.cap = spec.l1_blocks if spec.l1_blocks is not None else spec.cost.kv_capacity_tokens // bs
         self.l1 = BlockLRU(self.cap)
@@ -111,7 +112,7 @@ class _Inst:
         self.pending_tokens = 0
         self.busy = False
         self.version = 0
-        self.macro = None  # (t0, dt, k, version) of an in-flight decode macro-step
+        self.macro: tuple[float, float, int, int] | None = None  # (t0, dt, k, version) of an in-flight decode macro-step
         self.pcie = Link(sim, f"{wid}.pcie", spec.cost.link_bytes_per_s("L2"), spec.cost.link_latency_s("L2"))
         self.nic = Link(sim, f"{wid}.nic", spec.cost.link_bytes_per_s("NIC"), spec.cost.link_latency_s("L3"))
         self.busy_s = 0.0
@@ -154,8 +155,8 @@ class Simulator:
         self.kvpt = cluster.router_cost.kv_bytes_per_token
         self.block_bytes = self.bs * self.kvpt
         # router's delayed view
-        self.v_l1 = {w.wid: set() for w in self.insts}
-        self.v_l2 = {w.wid: set() for w in self.insts}
+        self.v_l1: dict[str, set[int]] = {w.wid: set() for w in self.insts}
+        self.v_l2: dict[str, set[int]] = {w.wid: set() for w in self.insts}
         self.v_l3: set[int] = set()
         if any(_deps(r) for r in requests):
             self.reqs = list(requests)  # closed loop: indices must stay as generated
@@ -167,7 +168,7 @@ class Simulator:
         self.deferred = 0
         # per request record: [arrival, cls, pool, worker, l1, l2, l3, ttft_t, done_t, queue_s,
         #                      dq_s, reuse, stale]
-        self.rec: list[list] = [None] * len(self.reqs)
+        self.rec: list[list[Any] | None] = [None] * len(self.reqs)
         self.events_run = 0
         self.nroute = 0
         # sessions that exist before t=0: their history is in L3, or (no L3) in the L1 and L2
@@ -227,6 +228,13 @@ class Simulator:
         view.update(stored)
         view.difference_update(removed)
 
+    def _record(self, i: int) -> list[Any]:
+        """The record of request ``i``, which has been routed (it has one)."""
+        rec = self.rec[i]
+        if rec is None:
+            raise RuntimeError(f"request {i} has no record: it was never routed")
+        return rec
+
     # -- router --------------------------------------------------------------------
     def _loads(self) -> list[WorkerLoad]:
         out = []
@@ -278,9 +286,8 @@ class Simulator:
         cached = c3 * self.bs
         self.rec[i] = [now, d.request_class, d.pool, w.wid, a * self.bs, (b2 - a) * self.bs,
                        (c3 - b2) * self.bs, None, None, None, None, d.reuse_ratio, stale, d.decode_worker, now]
-        s = _Seq(i, r, r.prompt_tokens, cached)
+        s = _Seq(i, r, r.prompt_tokens, cached, w)
         s.alloc = s.shared = a
-        s.inst = w
         w.loading += 1
         w.pending_tokens += r.prompt_tokens - cached
         flows = int(b2 > a) + int(c3 > b2)
@@ -336,13 +343,13 @@ class Simulator:
                     back.append(s)
             run[:] = [s for s in run if s.i not in pre]
         else:
-            back = ()
+            back = []
         byid = {s.i: s for s in run}
         for _ in plan.admitted:
             s = w.waiting.popleft()
             s.adm_t = now
             if w.role == ROLE_DECODE:
-                self.rec[s.i][10] = now - s.enq_t
+                self._record(s.i)[10] = now - s.enq_t
             run.append(s)
             byid[s.i] = s
         for s in reversed(back):
@@ -381,6 +388,8 @@ class Simulator:
             self.at(now + dt, self._end_prefill, w, items, dt)
 
     def _cut_macro(self, now: float, w: _Inst) -> None:
+        if w.macro is None:
+            raise RuntimeError(f"{w.wid}: no decode macro-step in flight to cut")
         t0, dt, k, ver = w.macro
         j = int((now - t0) / dt) + 1  # steps done once the step in progress ends
         if j >= k:
@@ -423,7 +432,7 @@ class Simulator:
             for s in done:
                 w.used -= s.alloc
                 s.alloc = 0
-                self.rec[s.i][8] = now
+                self._record(s.i)[8] = now
                 self._release(now, s.i)
         self._kick(now, w)
 
@@ -446,7 +455,7 @@ class Simulator:
         self._kick(now, w)
 
     def _prefill_done(self, now: float, w: _Inst, s: _Seq) -> None:
-        rec = self.rec[s.i]
+        rec = self._record(s.i)
         rec[9] = s.adm_t - s.enq_t
         full = s.req.blocks[: s.req.prompt_tokens // self.bs]
         if w.spec.write_l3 and self.l3 is not None and full:
@@ -459,6 +468,8 @@ class Simulator:
 
     def _l3_written(self, now: float, full, todo) -> None:
         self.l3_writing.difference_update(todo)
+        if self.l3 is None:
+            raise RuntimeError("an L3 write finished in a cluster without L3")
         new, ev = self.l3.touch_insert(full)
         self._publish(now, self.v_l3, new, ev)
 
@@ -478,7 +489,7 @@ class Simulator:
             if w.l2 is not None:
                 new2, ev2 = w.l2.touch_insert(full)
                 self._publish(now, self.v_l2[w.wid], new2, ev2)
-        rec = self.rec[s.i]
+        rec = self._record(s.i)
         rec[7] = now  # first token leaves with the handoff
         self._kick(now, w)
         if dec is None or s.req.output_tokens <= 1:
@@ -486,10 +497,9 @@ class Simulator:
             self._release(now, s.i)
             return
         d = self.by_id[dec]
-        ds = _Seq(s.i, s.req, s.req.prompt_tokens + 1, s.req.prompt_tokens)
+        ds = _Seq(s.i, s.req, s.req.prompt_tokens + 1, s.req.prompt_tokens, d)
         ds.remaining = s.req.output_tokens - 1
         ds.enq_t = now
-        ds.inst = d
         d.waiting.append(ds)
         self._kick(now, d)
 

@@ -307,6 +307,8 @@ def _place(trace: Trace, opts: ReplayOptions) -> list[_Item]:
         for k, it in enumerate(items):
             it.rid = f"{it.sess.id}#{it.index}"
     if opts.users is None:  # open loop
+        if opts.session_rate is None:
+            raise ValueError("open-loop replay needs session_rate (or users for a closed loop)")
         starts = poisson_starts(len(per), opts.session_rate, opts.seed)
         flat = []
         for s0, (items, _) in zip(starts, per):
