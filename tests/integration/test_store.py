@@ -19,7 +19,7 @@ from cpd.store.chunk_format import decode_value, encode_value
 from cpd.store.errors import CorruptValue
 from cpd.store.connector import L3Connector
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = (2, 2, 16, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
 
 

@@ -15,7 +15,7 @@ from msgspec.structs import replace
 
 from cpd.worker.handoff import HandoffError, HandoffReceiver, HandoffSender, host_identity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _RECEIVER = r"""
 import json, sys, numpy as np

@@ -21,7 +21,7 @@ def test_simulate_cli_takes_a_claude_code_trace(tmp_path):
     from typer.testing import CliRunner
 
     from cpd.sim.cli import simulate
-    from tests.test_traces import conversation, write_cc
+    from tests.unit.test_traces import conversation, write_cc
     d = write_cc(tmp_path / "cc", [conversation(f"trace_00{i:02d}") for i in range(1, 30)])
     app = typer.Typer()
     app.command()(simulate)

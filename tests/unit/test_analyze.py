@@ -31,7 +31,7 @@ def test_analyze_claude_code_slice_hit_ratio_matches_independent_count(tmp_path)
     import json as _json
     import re
 
-    from tests.test_traces import conversation, independent_hit_ratio, write_cc
+    from tests.unit.test_traces import conversation, independent_hit_ratio, write_cc
     convs = [conversation("trace_0001"), conversation("trace_0002")]
     d = write_cc(tmp_path / "cc", convs)
     r = _run([str(d), "--out", str(tmp_path / "o"), "--no-simulate"])
@@ -77,7 +77,7 @@ def test_analyze_session_profile_counts_subagents_and_duration(tmp_path):
 
     from cpd.analyze.sessions import session_stats
     from cpd.traces import read_trace
-    from tests.test_traces import conversation, write_cc
+    from tests.unit.test_traces import conversation, write_cc
     d = write_cc(tmp_path / "cc", [conversation("trace_0001"), conversation("trace_0002")])
     st = [session_stats(s) for s in read_trace(d).sessions]
     assert [x.num_requests for x in st] == [6, 6]
