@@ -22,7 +22,7 @@ from cpd.sim.workload import SimRequest
 
 BS = 64
 SHAPE, GPU, TP = "Llama-3.1-70B", "h100", 1
-K = 2.0  # time dilation of the live run
+K = 3.0  # time dilation of the live run (router/HTTP overhead shrinks by K against the modeled times)
 L1_BLOCKS, L2_BYTES, L3_BYTES = 4096, 64 << 30, 1 << 40
 SCHED = dict(max_num_batched_tokens=512, max_num_seqs=32, max_prefill_chunk_tokens=512)
 
