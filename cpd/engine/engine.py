@@ -507,102 +507,133 @@ class Engine:
 
     def _prepare(self, r: _Req, reserve: int) -> bool:
         """Match / load the longest cached prefix of a waiting request and hold its blocks,
-        allocating at most ``num_free_blocks() - reserve`` new blocks for loads.
-        Returns False if an imported KV could not get blocks (try again later)."""
-        bs = self.block_size
-        max_blocks = (len(r.tokens) - 1) // bs  # always compute at least the last token
+        allocating at most ``num_free_blocks() - reserve`` new blocks for loads: L1 hits first,
+        then L2 promotions, then L3 loads, each continuing where the previous tier stopped (the
+        order the router's index predicts). Returns False if an imported KV could not get
+        blocks (try again later)."""
+        max_blocks = (len(r.tokens) - 1) // self.block_size  # always compute at least the last token
         self._ensure_hashes(r, max_blocks)
         hashes = r.hashes[:max_blocks]
         if r.import_kv is not None:
-            n_kv = r.import_kv.shape[2]
-            hit = self.pool.match(hashes[:n_kv // bs])
-            self.pool.acquire(hit)
-            need = blocks_for(n_kv, bs) - len(hit)
-            if need > self.pool.num_free_blocks() - reserve:
-                self.pool.release(hit)
-                return False
-            new = self.pool.allocate(need)
-            r.blocks = list(hit) + new
-            start = len(hit) * bs
-            self.arrays.scatter_tokens(self.pool.kv, new, r.import_kv[:, :, start:n_kv])
-            self.executor.transfer("NIC", n_kv - start)
-            r.num_computed = n_kv
-            r.num_registered = len(hit)
-            self._register_full(r)
-            r.cached_by_tier = {"L1": len(hit) * bs, "L2": 0, "L3": 0}
-            r.prepared = True
-            return True
+            return self._prepare_import(r, hashes, reserve)
         hit = self.pool.match(hashes)
         self.pool.acquire(hit)
         r.blocks = list(hit)
         k = len(hit)
         budget = self.pool.num_free_blocks() - reserve
-        # L2: promote into fresh L1 blocks
         if self.host_pool.enabled and k < max_blocks and budget > 0:
-            m = min(self.host_pool.match(hashes[k:max_blocks]), budget)
-            if m:
-                for h in hashes[k:k + m]:
-                    self.host_pool.touch(h)  # mark MRU so our own L1 evictions don't push them out
-                new = self.pool.allocate(m)
-                r.blocks.extend(new)  # owned at once: a failure below releases them with the request
-                m2 = self.host_pool.match(hashes[k:k + m])
-                t0 = time.perf_counter()
-                for j in range(m2):
-                    h = hashes[k + j]
-                    self.arrays.copy_into(self.pool.block_view(new[j]), self.host_pool.get(h))
-                    i = k + j
-                    self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
-                    r.loaded_tier.setdefault(h, "L2")
-                self.executor.transfer("L2", m2 * bs)
-                self.l2_load_seconds += time.perf_counter() - t0
-                self.l2_load_bytes += m2 * self.block_bytes
-                if m2 < m:
-                    self.pool.release(new[m2:])
-                    del r.blocks[len(r.blocks) - (m - m2):]
-                k += m2
-                budget -= m2
-        # L3: load through the connector
+            m = self._promote_l2(r, hashes, k, min(self.host_pool.match(hashes[k:max_blocks]), budget))
+            k, budget = k + m, budget - m
         if self.connector is not None and k < max_blocks and budget > 0:
-            limit = min(max_blocks - k, budget)
-            if r.max_l3_blocks is not None:
-                used = sum(1 for t in r.loaded_tier.values() if t == "L3")
-                limit = min(limit, max(0, r.max_l3_blocks - used))
-            if limit > 0:
-                want = hashes[k:k + limit]
-                try:
-                    n = min(int(self.connector.lookup(want)), limit)
-                except Exception:  # store faults mean "miss" (docs/architecture.md fallbacks)
-                    log.warning("L3 lookup failed; recomputing", exc_info=True)
-                    n = 0
-                arrays = None
-                if n > 0:
-                    try:
-                        arrays = self.connector.load(want[:n])
-                    except Exception:
-                        log.warning("L3 load failed; recomputing", exc_info=True)
-                        arrays = None
-                    exp = tuple(self.pool.block_view(0).shape)
-                    if arrays is not None and (len(arrays) != n or
-                                               any(tuple(np.shape(a)) != exp for a in arrays)):
-                        log.warning("L3 returned malformed blocks; recomputing")
-                        arrays = None
-                new = self.pool.allocate(n) if arrays is not None else []
-                if arrays is not None:
-                    try:
-                        self._copy_in(new, arrays)
-                    except Exception:  # undecodable payload: a miss, like any store fault
-                        log.warning("L3 blocks could not be copied in; recomputing", exc_info=True)
-                        self.pool.release(new)
-                        arrays = None
-                if arrays is not None:
-                    self.executor.transfer("L3", n * bs)
-                    for j in range(n):
-                        i = k + j
-                        h = hashes[i]
-                        self.pool.register(new[j], h, hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
-                        r.loaded_tier.setdefault(h, "L3")
-                    r.blocks.extend(new)
-                    k += n
+            k += self._load_l3(r, hashes, k, self._l3_limit(r, min(max_blocks - k, budget)))
+        self._finish_prepare(r, hashes, k)
+        return True
+
+    def _prepare_import(self, r: _Req, hashes: list[int], reserve: int) -> bool:
+        """A handed-off request: reuse the L1 blocks it shares, copy the rest of its imported KV
+        into fresh blocks. False if the blocks are not free yet."""
+        bs = self.block_size
+        assert r.import_kv is not None
+        n_kv = r.import_kv.shape[2]
+        hit = self.pool.match(hashes[:n_kv // bs])
+        self.pool.acquire(hit)
+        need = blocks_for(n_kv, bs) - len(hit)
+        if need > self.pool.num_free_blocks() - reserve:
+            self.pool.release(hit)
+            return False
+        new = self.pool.allocate(need)
+        r.blocks = list(hit) + new
+        start = len(hit) * bs
+        self.arrays.scatter_tokens(self.pool.kv, new, r.import_kv[:, :, start:n_kv])
+        self.executor.transfer("NIC", n_kv - start)
+        r.num_computed = n_kv
+        r.num_registered = len(hit)
+        self._register_full(r)
+        r.cached_by_tier = {"L1": len(hit) * bs, "L2": 0, "L3": 0}
+        r.prepared = True
+        return True
+
+    def _register_loaded(self, r: _Req, hashes: list[int], k: int, blocks: Sequence[int], tier: str) -> None:
+        """Register ``blocks`` (just filled from ``tier``) as the request's blocks ``k, k+1, ...``."""
+        bs = self.block_size
+        for j, b in enumerate(blocks):
+            i = k + j
+            self.pool.register(b, hashes[i], hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
+            r.loaded_tier.setdefault(hashes[i], tier)
+
+    def _promote_l2(self, r: _Req, hashes: list[int], k: int, m: int) -> int:
+        """Copy up to ``m`` blocks from the L2 host pool into fresh L1 blocks after the first ``k``;
+        returns how many were promoted (a block evicted meanwhile ends the run)."""
+        if m <= 0:
+            return 0
+        for h in hashes[k:k + m]:
+            self.host_pool.touch(h)  # mark MRU so our own L1 evictions don't push them out
+        new = self.pool.allocate(m)
+        r.blocks.extend(new)  # owned at once: a failure below releases them with the request
+        m2 = self.host_pool.match(hashes[k:k + m])
+        t0 = time.perf_counter()
+        for j in range(m2):
+            self.arrays.copy_into(self.pool.block_view(new[j]), self.host_pool.get(hashes[k + j]))
+        self._register_loaded(r, hashes, k, new[:m2], "L2")
+        self.executor.transfer("L2", m2 * self.block_size)
+        self.l2_load_seconds += time.perf_counter() - t0
+        self.l2_load_bytes += m2 * self.block_bytes
+        if m2 < m:
+            self.pool.release(new[m2:])
+            del r.blocks[len(r.blocks) - (m - m2):]
+        return m2
+
+    def _l3_limit(self, r: _Req, limit: int) -> int:
+        """At most ``limit`` blocks, and no more than the request's own L3 allowance (the router's
+        load-vs-recompute plan)."""
+        if r.max_l3_blocks is not None:
+            used = sum(1 for t in r.loaded_tier.values() if t == "L3")
+            limit = min(limit, max(0, r.max_l3_blocks - used))
+        return limit
+
+    def _load_l3(self, r: _Req, hashes: list[int], k: int, limit: int) -> int:
+        """Load up to ``limit`` blocks after the first ``k`` from the L3 store into fresh L1
+        blocks; returns how many were loaded. Every store fault is a miss (recompute)."""
+        arrays = self._l3_fetch(hashes[k:k + limit]) if limit > 0 else None
+        if not arrays:
+            return 0
+        new = self.pool.allocate(len(arrays))
+        try:
+            self._copy_in(new, arrays)
+        except Exception:  # undecodable payload: a miss, like any store fault
+            log.warning("L3 blocks could not be copied in; recomputing", exc_info=True)
+            self.pool.release(new)
+            return 0
+        self.executor.transfer("L3", len(new) * self.block_size)
+        self._register_loaded(r, hashes, k, new, "L3")
+        r.blocks.extend(new)
+        return len(new)
+
+    def _l3_fetch(self, want: list[int]) -> list | None:
+        """The leading blocks of ``want`` that the store holds, as block arrays; None on any fault
+        or malformed answer (docs/architecture.md, fallbacks)."""
+        assert self.connector is not None
+        try:
+            n = min(int(self.connector.lookup(want)), len(want))
+        except Exception:
+            log.warning("L3 lookup failed; recomputing", exc_info=True)
+            return None
+        if n <= 0:
+            return None
+        try:
+            arrays = self.connector.load(want[:n])
+        except Exception:
+            log.warning("L3 load failed; recomputing", exc_info=True)
+            return None
+        exp = tuple(self.pool.block_view(0).shape)
+        if arrays is None or len(arrays) != n or any(tuple(np.shape(a)) != exp for a in arrays):
+            log.warning("L3 returned malformed blocks; recomputing")
+            return None
+        return list(arrays)
+
+    def _finish_prepare(self, r: _Req, hashes: list[int], k: int) -> None:
+        """The first ``k`` blocks are cached: count them per tier they came from."""
+        bs = self.block_size
         r.num_computed = k * bs
         r.num_registered = k
         tiers = {t: 0 for t in TIERS}
@@ -610,7 +641,6 @@ class Engine:
             tiers[r.loaded_tier.get(h, "L1")] += bs
         r.cached_by_tier = tiers
         r.prepared = True
-        return True
 
     def _unprepare(self, r: _Req) -> None:
         if r.blocks:
