@@ -53,7 +53,7 @@ class ReplayOptions:
     large_suffix_tokens: int = 8192
     collapse_pairs: bool = False
     start: int = 0
-    max_requests: int | None = None
+    max_requests: int | None = None  # timed traces: requests in all; sessions: per session
     max_sessions: int | None = None
     max_idle_s: float | None = None
 
@@ -219,8 +219,21 @@ def cached_prefix_blocks(keys: list[int], seen: set[int]) -> int:
 
 
 def _sessions(trace: Trace, opts: ReplayOptions) -> list[TraceSession]:
-    s = trace.sessions[opts.start:] if not trace.timed else trace.sessions
-    return s[: opts.max_sessions] if (opts.max_sessions is not None and not trace.timed) else s
+    """The sessions replayed: from ``start``, at most ``max_sessions``, and for traces of
+    sessions ``max_requests`` caps each session (its first requests; see :func:`_first_requests`)."""
+    if trace.timed:
+        return trace.sessions
+    s = trace.sessions[opts.start:]
+    s = s[: opts.max_sessions] if opts.max_sessions is not None else s
+    return [_first_requests(x, opts.max_requests) for x in s] if opts.max_requests is not None else s
+
+
+def _first_requests(sess: TraceSession, n: int) -> TraceSession:
+    """The session cut after its first ``n`` requests: subagents started after them are dropped
+    (a subagent that is kept runs whole)."""
+    if len(sess.requests) <= n:
+        return sess
+    return replace(sess, requests=sess.requests[:n], subagents=[a for a in sess.subagents if a.after_index < n])
 
 
 def _collapse(reqs: list[TraceRequest]) -> list[TraceRequest]:

@@ -225,3 +225,22 @@ def test_options_that_do_not_fit_the_trace(tmp_path):
     m.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(ValueError, match="no sessions"):
         build_schedule(read_trace(m), ReplayOptions(users=2), V)
+
+
+def test_max_requests_caps_each_session_and_drops_later_subagents(tmp_path):
+    """For traces of sessions, ``max_requests`` keeps each session's first N requests; a subagent
+    that follows a dropped request is dropped, one that follows a kept request is kept whole."""
+    from cpd.traces import ReplayOptions, Vocab, build_schedule, read_trace
+    early = conversation("trace_0001")  # its subagent starts at 5 s, after request 0
+    late = conversation("trace_0002")
+    r = late["requests"]
+    r[1]["t"] = 25.0  # this subagent starts after request 1 (t = 20 s)
+    late["requests"] = [r[0], r[2], r[1], r[3], r[4]]
+    tr = read_trace(write_cc(tmp_path / "cc", [early, late]))
+    assert [a.after_index for s in tr.sessions for a in s.subagents] == [0, 1]
+
+    def n(cap):
+        return len(build_schedule(tr, ReplayOptions(users=1, max_requests=cap), Vocab(1000)))
+    assert n(None) == 2 * (4 + 2)
+    assert n(1) == (1 + 2) + 1  # early keeps its subagent, late drops it
+    assert n(2) == (2 + 2) + (2 + 2)
