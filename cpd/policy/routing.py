@@ -222,7 +222,9 @@ def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg:
     return t + cost.prefill_time_s(num_prompt_tokens - cached, cached)
 
 
-def _pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
+def pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
+    """The decode worker for a request (rule 6): fewest running requests, then lowest KV use,
+    then id; None when no decode worker is healthy. Also the dispatcher's choice on a retry."""
     ds = [w for w in loads if w.role == ROLE_DECODE and w.healthy]
     if not ds:
         return None
@@ -261,7 +263,7 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
         t = _estimate_ttft_s(w, plan, num_prompt_tokens, cfg, cost)
         scored.append((t, w.running_requests, w.worker_id, plan, w.role))
     t, _, wid, plan, role = min(scored)
-    return RouteDecision(cls, Role(role), wid, _pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
+    return RouteDecision(cls, Role(role), wid, pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
                          fallback_from=fallback_from)
 
 

@@ -45,7 +45,7 @@ from cpd.messages.sampling import SamplingParams
 from cpd.messages.worker_api import (DecodeRequest, MalformedBody, PrefillRequest, PrefillResponse, decode_body,
                                      encode)
 from cpd.policy.routing import NoWorkerError, RouteDecision, RoutingConfig, route
-from cpd.policy.routing import _pick_decode  # the policy's own decode choice (pure)
+from cpd.policy.routing import pick_decode
 from cpd.router.decode_relay import JSON_HEADERS, DecodeFailed, relay_decode
 from cpd.router.dispatch_records import RecentRequests, record_prefill
 from cpd.router.estimates import CostEstimates
@@ -281,7 +281,7 @@ class CPDBackend:
                     if (e.handoff_lost or expired) and attempt + 1 < self.timeouts.max_decode_attempts:
                         self._release_handoff(staged.handoff)
                         staged = await self._reprefill(run)
-                    decode_worker = _pick_decode(self._snapshots(run.excluded))
+                    decode_worker = pick_decode(self._snapshots(run.excluded))
                     self.recent.note_decode_retry(run.req.request_id, decode_worker, run.reprefills, str(e))
                     if decode_worker is None:
                         raise BackendError(f"decode failed ({e}); no other healthy decode worker", 503,
