@@ -5,15 +5,16 @@
 #   benchmarks/claude_code_pd_vs_cpd.sh [OUT_DIR]
 #
 # Shrunk for a 2-core CPU machine (knobs in the environment): USERS=3 closed-loop users, the first
-# SESSIONS=6 conversations, MAX_REQUESTS=90 requests in all, TPB=2 replayed tokens per 64-token trace
-# block (a 100K-token prompt becomes ~3.2K tokens), MAX_CONTEXT=3072, MAX_OUT=8 output tokens,
+# SESSIONS=3 conversations, MAX_REQUESTS=40 first requests of each, TPB=2 replayed tokens per 64-token
+# trace block (a 100K-token prompt becomes ~3.2K tokens), MAX_CONTEXT=98304 trace tokens (= 3072
+# replayed: --max-context counts the trace's tokens), MAX_OUT=8 output tokens,
 # MAX_IDLE_S=2 (think times capped), SHARED=1.0 (tool definitions + system prompt shared by all
 # sessions), SLO_TTFT_S=2. Each topology gets a fresh deployment (empty caches).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/claude_code_pd_vs_cpd}
-USERS=${USERS:-3} SESSIONS=${SESSIONS:-6} MAX_REQUESTS=${MAX_REQUESTS:-90} TPB=${TPB:-2}
-MAX_CONTEXT=${MAX_CONTEXT:-3072} MAX_OUT=${MAX_OUT:-8} MAX_IDLE_S=${MAX_IDLE_S:-2} SHARED=${SHARED:-1.0}
+USERS=${USERS:-3} SESSIONS=${SESSIONS:-3} MAX_REQUESTS=${MAX_REQUESTS:-40} TPB=${TPB:-2}
+MAX_CONTEXT=${MAX_CONTEXT:-98304} MAX_OUT=${MAX_OUT:-8} MAX_IDLE_S=${MAX_IDLE_S:-2} SHARED=${SHARED:-1.0}
 SLO_TTFT_S=${SLO_TTFT_S:-2} PORT=${PORT:-8033}
 TRACE=../shared/data/traces/claude_code
 mkdir -p "$OUT"
