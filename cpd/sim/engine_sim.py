@@ -41,13 +41,6 @@ VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
 
 
-def _deps(r: SimRequest) -> tuple[int, ...]:
-    """Indices of the requests ``r`` waits for (closed loop)."""
-    a = r.after
-    if isinstance(a, tuple):
-        return a
-    return (a,) if a >= 0 else ()
-
 
 class VirtualClock:
     """Collects the waits of one engine step (virtual seconds) instead of sleeping."""
@@ -149,7 +142,7 @@ class EngineSimulator:
             self.insts.append(self._instance(f"{spec.role}-{k}", spec))
         self.by_id = {w.wid: w for w in self.insts}
         self.namespace = self.insts[0].engine.namespace
-        if any(_deps(r) for r in requests):
+        if any(r.deps() for r in requests):
             self.reqs = list(requests)  # closed loop: indices must stay as generated
         else:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
@@ -318,7 +311,7 @@ class EngineSimulator:
     # -- closed loop -------------------------------------------------------------------
     def _park(self, i: int) -> bool:
         """Park request ``i`` on the first request it waits for that has not finished."""
-        for d in _deps(self.reqs[i]):
+        for d in self.reqs[i].deps():
             prev = self.rec[d]
             if prev is None or prev["done_t"] is None:
                 self._parked.setdefault(d, []).append(i)

@@ -120,13 +120,6 @@ class _Inst:
         self.steps = 0
 
 
-def _deps(r: SimRequest) -> tuple[int, ...]:
-    """Indices of the requests ``r`` waits for (``after``: -1, one index, or a tuple)."""
-    a = r.after
-    if isinstance(a, tuple):
-        return a
-    return (a,) if a >= 0 else ()
-
 
 class Simulator:
     """Run one workload on one cluster; results via :meth:`records` and counters.
@@ -158,9 +151,9 @@ class Simulator:
         self.v_l1: dict[str, set[int]] = {w.wid: set() for w in self.insts}
         self.v_l2: dict[str, set[int]] = {w.wid: set() for w in self.insts}
         self.v_l3: set[int] = set()
-        if any(_deps(r) for r in requests):
+        if any(r.deps() for r in requests):
             self.reqs = list(requests)  # closed loop: indices must stay as generated
-            if any(d >= i for i, r in enumerate(self.reqs) for d in _deps(r)):
+            if any(d >= i for i, r in enumerate(self.reqs) for d in r.deps()):
                 raise ValueError("closed-loop requests must come after the requests they wait for")
         else:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
@@ -505,7 +498,7 @@ class Simulator:
 
     def _park(self, i: int) -> bool:
         """Park request ``i`` on the first request it waits for that has not finished (False: none)."""
-        for d in _deps(self.reqs[i]):
+        for d in self.reqs[i].deps():
             prev = self.rec[d]
             if prev is None or prev[8] is None:
                 self._parked.setdefault(d, []).append(i)

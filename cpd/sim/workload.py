@@ -47,6 +47,13 @@ class SimRequest:
     after: int | tuple[int, ...] = -1
     think_s: float = 0.0
 
+    def deps(self) -> tuple[int, ...]:
+        """Indices of the requests this one waits for (closed loop; ``()`` for open loop)."""
+        a = self.after
+        if isinstance(a, tuple):
+            return a
+        return (a,) if a >= 0 else ()
+
 
 def load_mooncake(path: str | Path, time_scale: float = 1.0, tokens_per_hash_id: int = TRACE_BLOCK,
                   limit: int | None = None, spread_ticks_s: float = 0.0, max_prompt_tokens: int | None = None,

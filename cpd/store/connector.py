@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -76,23 +76,20 @@ class L3Connector:
     # ---- KVConnector ----------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[int]) -> int:
         """Leading blocks VISIBLE in L3; 0 if the store is unreachable."""
-        try:
-            return self.store.lookup_prefix(block_hashes)
-        except StoreTimeout:
-            self._count("timeout")
-            return 0
-        except StoreUnavailable:
-            self._count("unavailable")
-            return 0
+        return self._lookup_prefix(block_hashes)
 
     def lookup_and_announce(self, block_hashes: Sequence[int], parent_block_hash: int | None,
                             token_ids: Sequence[int], block_size: int) -> int:
         """For a writer: leading blocks of a chain (``block_hashes`` from its first block) that
         are VISIBLE in L3 — these need no write — and re-publish ``BlockStored(L3)`` for the
         chunks covering them, so an index that lost them relearns them. 0 if unreachable."""
+        return self._lookup_prefix(block_hashes, announce=True, parent_block_hash=parent_block_hash,
+                                   token_ids=token_ids, block_size=block_size)
+
+    def _lookup_prefix(self, block_hashes: Sequence[int], **announce: Any) -> int:
+        """``store.lookup_prefix``, with a store fault counted and read as a miss (0)."""
         try:
-            return self.store.lookup_prefix(block_hashes, announce=True, parent_block_hash=parent_block_hash,
-                                            token_ids=token_ids, block_size=block_size)
+            return self.store.lookup_prefix(block_hashes, **announce)
         except StoreTimeout:
             self._count("timeout")
             return 0
