@@ -24,7 +24,7 @@ def store(request, tmp_path):
     elif request.param == "redis":
         url = request.getfixturevalue("redis_server").url
     else:
-        from test_redis_cluster import RedisCluster3  # the real 3-node cluster of the cluster tests
+        from tests.e2e.test_redis_cluster import RedisCluster3  # the real 3-node cluster of the cluster tests
         c = RedisCluster3(tmp_path / "cluster")
         c.start(create=True)
         request.addfinalizer(c.stop)
