@@ -130,3 +130,11 @@ class DelayProxy:
     def close(self):
         self.closed = True
         self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def store_proxy(module_redis):
+    """Workers reach the module's Redis through this proxy, so a test can make the store slow."""
+    p = DelayProxy(module_redis.port)
+    yield p
+    p.close()

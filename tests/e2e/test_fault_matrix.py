@@ -24,21 +24,14 @@ import httpx
 import pytest
 import redis
 
-from conftest import DelayProxy
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.store import open_store
 from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
 MAX_TOKENS = 8
-HANG_BOUND_S = 30.0
-OTHER_TOKENS = 200  # the concurrent request on the surviving decode worker  # no request of this module may take longer (loaded 2-core machine)
+HANG_BOUND_S = 30.0  # no request of this module may take longer (loaded 2-core machine)
+OTHER_TOKENS = 200  # the concurrent request on the surviving decode worker
 
-
-@pytest.fixture(scope="module")
-def store_proxy(module_redis):
-    p = DelayProxy(module_redis.port)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

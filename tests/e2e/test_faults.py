@@ -12,18 +12,10 @@ import httpx
 import pytest
 import redis
 
-from conftest import DelayProxy
 from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
 MAX_TOKENS = 8
 
-
-@pytest.fixture(scope="module")
-def store_proxy(module_redis):
-    """Workers reach Redis through this proxy, so a test can make the store slow."""
-    p = DelayProxy(module_redis.port)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
