@@ -46,6 +46,21 @@ class Topology(_StrEnum):
     PD = "pd"    # plain prefill/decode disaggregation: every prompt to the prefill pool
 
 
+class RoutingMode(_StrEnum):
+    """How the policy picks the prefill-side pool (docs/architecture.md 'routing')."""
+
+    STATIC = "static"      # reuse ratio vs cold_threshold -> fixed pool (the published CPD rule)
+    ADAPTIVE = "adaptive"  # remaining-work estimates per candidate worker (issue 11)
+
+
+class WriteThrough(_StrEnum):
+    """Which prefills write their computed blocks through to the L3 store."""
+
+    NONE = "none"  # no request (plain pd)
+    COLD = "cold"  # requests the policy classifies cold, wherever they run (cpd)
+    ALL = "all"    # every prefill (pd + L3: "pd-l3")
+
+
 class RequestClass(_StrEnum):
     """The router's classification of a request for one routing decision (docs/architecture.md 'cold / warm')."""
 
@@ -56,4 +71,4 @@ class RequestClass(_StrEnum):
 BlockHash = NewType("BlockHash", int)
 """A chained, namespaced block hash (:mod:`cpd.kv.block_hash`): an unsigned 64-bit integer."""
 
-__all__ = ["Role", "Tier", "Topology", "RequestClass", "BlockHash", "PREFILL_SIDE_ROLES"]
+__all__ = ["Role", "Tier", "Topology", "RoutingMode", "WriteThrough", "RequestClass", "BlockHash", "PREFILL_SIDE_ROLES"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
-from cpd.types import PREFILL_SIDE_ROLES, RequestClass, Role, Tier, Topology
+from cpd.types import PREFILL_SIDE_ROLES, RequestClass, Role, RoutingMode, Tier, Topology, WriteThrough, _StrEnum
 
 ROLE_PRE_PREFILL = Role.PRE_PREFILL
 ROLE_PREFILL = Role.PREFILL
@@ -92,19 +92,61 @@ class PrefixMatch:
         l3: leading blocks visible in the shared L3 store (for workers with no local run).
         l3_after: worker_id → end of the L3 run that continues that worker's L1/L2 run
             (absent: no L3 blocks after it, or ``l3`` applies).
+        l3_pending: end of the run of blocks, continuing the visible L3 run, that an in-flight
+            prefill is writing through right now (0: none); read-after-write (issue 11 §5).
+        l3_pending_ready_s: predicted seconds until those pending blocks are visible in L3.
     """
 
     l1: Mapping[str, int] = field(default_factory=dict)
     l2: Mapping[str, int] = field(default_factory=dict)
     l3: int = 0
     l3_after: Mapping[str, int] = field(default_factory=dict)
+    l3_pending: int = 0
+    l3_pending_ready_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
+    """Routing settings (one truth: ``router.*`` of :mod:`cpd.config` builds it live; the simulator's
+    experiment files build it there).
+
+    Attributes:
+        topology: cpd (pre-prefill + prefill pools) or pd (prefill pool only).
+        cold_threshold: static mode: reuse ratio below which a request is cold.
+        block_size: tokens per KV block.
+        mode: static (reuse ratio -> fixed pool) or adaptive (remaining-work estimates).
+        write_through: which prefills write their blocks through to L3 (None: the topology's
+            default, cpd -> cold, pd -> none).
+        ttft_slo_s / tpot_slo_s: the SLOs the adaptive rules aim at.
+        heavy_uncached_s: adaptive: a request whose uncached work (load + compute on its best
+            worker, no queue) exceeds this is heavy ("cold"); None -> ``0.25 * ttft_slo_s``.
+        spill_margin: adaptive: relative TTFT gain a worker outside the home pool must offer
+            before work spills to it (hysteresis against flapping).
+        admission_factor: reject (429) when every candidate's predicted TTFT exceeds
+            ``admission_factor * ttft_slo_s``; None -> admit everything.
+        decode_append_max_tokens: decode-local append of at most this many uncached tokens
+            on a decode worker holding the prefix in L1 (0 -> off).
+        raw_wait_max_s: read-after-write: the longest wait for pending L3 blocks (0 -> never wait).
+    """
+
     topology: Topology = Topology.CPD
     cold_threshold: float = 0.5
     block_size: int = 16
+    mode: RoutingMode = RoutingMode.STATIC
+    write_through: WriteThrough | None = None
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    heavy_uncached_s: float | None = None
+    spill_margin: float = 0.25
+    admission_factor: float | None = None
+    decode_append_max_tokens: int = 0
+    raw_wait_max_s: float = 0.0
+
+    def resolved_write_through(self) -> WriteThrough:
+        """``write_through`` with the topology's default filled in."""
+        if self.write_through is not None:
+            return self.write_through
+        return WriteThrough.COLD if self.topology == Topology.CPD else WriteThrough.NONE
 
 
 @dataclass(frozen=True)
@@ -137,6 +179,41 @@ class Recompute:
         return f"recompute-{self.tier}:{self.num_blocks}blk"
 
 
+class DecisionReason(_StrEnum):
+    """Why the winner won (metrics label ``reason``; one value per decision)."""
+
+    STATIC = "static"                  # static mode: the class's pool
+    FALLBACK = "fallback"              # the class's pool had no healthy worker
+    HOME = "home"                      # adaptive: the home pool's best worker
+    SPILL_COLD = "spill-cold"          # adaptive: heavy work on a prefill worker
+    SPILL_WARM = "spill-warm"          # adaptive: short work on a pre-prefill worker
+    DECODE_APPEND = "decode-append"    # adaptive: prefilled on the decode worker holding the prefix
+    WAIT_FOR_L3 = "wait-for-l3"        # adaptive: waits for pending write-through blocks
+
+
+@dataclass(frozen=True)
+class CandidateEstimate:
+    """The policy's estimate for one candidate worker (shown in ``/cpd/requests``).
+
+    Attributes:
+        worker_id / role: the candidate.
+        wait_s: queued work ahead of this request there (seconds).
+        own_s: this request's load + compute there, without queue (seconds).
+        ttft_s: ``wait_s + own_s``.
+        delay_to_others_s: the delay this request would add to work that runs there after it
+            (adaptive; 0 where not computed).
+        score: what the rule minimised (lower wins).
+    """
+
+    worker_id: str
+    role: Role
+    wait_s: float
+    own_s: float
+    ttft_s: float
+    delay_to_others_s: float = 0.0
+    score: float = 0.0
+
+
 @dataclass(frozen=True)
 class RouteDecision:
     """Output of :func:`route`.
@@ -148,6 +225,11 @@ class RouteDecision:
         load_plan: prefix blocks to load per tier on the chosen worker.
         reuse_ratio: best usable cached tokens / prompt tokens, in [0, 1].
         estimated_ttft_s: the policy's estimate for the chosen worker.
+        write_through: the chosen worker writes the computed blocks through to L3.
+        reason: why the winner won (:class:`DecisionReason`).
+        candidates: the estimates of every candidate considered (explainability).
+        wait_for_l3_s: read-after-write: hold the dispatch up to this long for pending L3
+            blocks (0: dispatch now).
         recompute: on the chosen worker, the cached tier segment recomputed instead of loaded
             (None: every cached block it can use is loaded).
         fallback_from: the pool the class asked for when it had no healthy worker (None: it had).
@@ -164,10 +246,22 @@ class RouteDecision:
     estimated_ttft_s: float
     recompute: Recompute | None = None
     fallback_from: Role | None = None
+    write_through: bool = False
+    reason: DecisionReason = DecisionReason.STATIC
+    candidates: tuple[CandidateEstimate, ...] = ()
+    wait_for_l3_s: float = 0.0
+
+    @property
+    def decode_append(self) -> bool:
+        """True when the request is prefilled on its decode worker (no handoff): ``pool`` is
+        ``decode`` and ``prefill_worker == decode_worker``."""
+        return self.pool == Role.DECODE
 
     @property
     def reasons(self) -> tuple[str, ...]:
         out = [f"{self.request_class}:reuse={self.reuse_ratio:.2f}"]
+        if self.reason not in (DecisionReason.STATIC, DecisionReason.FALLBACK):
+            out.append(str(self.reason))
         if self.fallback_from is not None:
             out.append(f"fallback:no-{self.fallback_from}")
         if self.recompute is not None:
@@ -177,6 +271,16 @@ class RouteDecision:
 
 class NoWorkerError(RuntimeError):
     """No healthy worker can take the request (the router answers 503)."""
+
+
+class Overloaded(RuntimeError):
+    """SLO-predictive admission: every candidate's predicted TTFT exceeds
+    ``admission_factor * ttft_slo_s`` (the router answers 429 with ``Retry-After``)."""
+
+    def __init__(self, predicted_ttft_s: float, retry_after_s: float):
+        super().__init__(f"predicted TTFT {predicted_ttft_s:.2f} s exceeds the admission bound")
+        self.predicted_ttft_s = predicted_ttft_s
+        self.retry_after_s = retry_after_s
 
 
 def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: RoutingConfig,
@@ -263,8 +367,13 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
         t = _estimate_ttft_s(w, plan, num_prompt_tokens, cfg, cost)
         scored.append((t, w.running_requests, w.worker_id, plan, w.role))
     t, _, wid, plan, role = min(scored)
+    wt = cfg.resolved_write_through()
+    write = wt == WriteThrough.ALL or (wt == WriteThrough.COLD and cls == RequestClass.COLD)
+    cands = tuple(CandidateEstimate(w_id, Role(r), 0.0, ts, ts, score=ts) for ts, _, w_id, _, r in scored)
     return RouteDecision(cls, Role(role), wid, pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
-                         fallback_from=fallback_from)
+                         fallback_from=fallback_from, write_through=write,
+                         reason=DecisionReason.FALLBACK if fallback_from is not None else DecisionReason.STATIC,
+                         candidates=cands)
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,7 @@ class CPDBackend:
         body = PrefillRequest(request_id=run.worker_request_id(), prompt_token_ids=req.prompt_token_ids,
                               sampling=sampling or req.sampling, cache_salt=req.cache_salt,
                               max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
-                              write_through=d.pool == Role.PRE_PREFILL)
+                              write_through=d.write_through)
         log.debug("route %s cls=%s pool=%s worker=%s plan=%s reasons=%s", req.request_id, d.request_class, d.pool,
                   d.prefill_worker, dataclasses.asdict(d.load_plan), d.reasons)
         cached = d.load_plan.num_cached_blocks * self.cfg.block_size

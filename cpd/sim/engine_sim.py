@@ -250,7 +250,7 @@ class EngineSimulator:
         w.engine.add_request(EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                                            mode="prefill",
                                            max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
-                                           write_through=d.pool == PRE_PREFILL))
+                                           write_through=d.write_through))
         self._kick(now, w)
 
     # -- engines -----------------------------------------------------------------------
