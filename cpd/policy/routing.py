@@ -3,7 +3,7 @@
 The live router (``cpd.router``) and the simulator (``cpd.sim``) import this very
 module. Inputs are snapshots; the output is a :class:`RouteDecision` value.
 
-Decision, per request:
+Common to both modes:
 
 1. For each candidate prefill-side worker ``w``, the usable cached prefix is the
    longest leading run of blocks found in ``w``'s L1, ``w``'s L2 or the global L3
@@ -13,6 +13,9 @@ Decision, per request:
    ``bytes / bandwidth + overhead`` is below the modeled recompute time of those
    tokens on top of the prefix before it; otherwise that segment and everything
    after it are recomputed (a later block's KV needs the earlier ones).
+
+Static mode (``RoutingMode.STATIC``, the published CPD rule):
+
 3. Reuse ratio = best usable cached tokens over all candidates / prompt tokens.
    ``cold`` if below ``cold_threshold`` (default 0.5), else ``warm``.
 4. ``cpd`` topology: cold → pre-prefill pool, warm → prefill pool (isolation).
@@ -23,9 +26,55 @@ Decision, per request:
    (ties: fewer running requests, then worker id). This mirrors Dynamo's KV router
    cost (overlap credit vs load) expressed in seconds.
 6. Decode worker: fewest running requests, then lowest KV use, then id.
+
+Adaptive mode (``RoutingMode.ADAPTIVE``, issue 11): route on *remaining work*, not on the reuse
+ratio. Sources: llm-d routes follow-ups by their uncached tokens to a short-work prefill pool;
+Dynamo skips remote prefill when the effective input is short; PPD (ICML 2026) appends short
+turn-2+ prefills on the decode worker that holds the KV; SGLang's gateway picks among prefix
+holders by their queued uncached tokens. Here all of them are one estimate, in seconds:
+
+A1. Every healthy prefill-side worker of *both* pools is a candidate. Its load plan (rules 1-2,
+    including L2/L3 loads on workers that do not hold the prefix, so a hot prefix whose holder is
+    saturated spreads to workers that load it) gives ``own_s`` = loads + compute of the uncached
+    suffix; ``wait_s`` = its queued work (``queued_prefill_s``, else the queued tokens priced as one
+    sequence); ``ttft_s = wait_s + own_s``; ``delay_to_others_s = own_s`` (FCFS: what runs after it
+    there waits that much longer). Ties: fewer running requests, then worker id.
+A2. Class by remaining work: *heavy* (``cold``) when the smallest ``own_s`` exceeds
+    ``heavy_uncached_s`` (default ``0.25 * ttft_slo_s``), else *short* (``warm``). Home pool:
+    heavy → pre-prefill (it blocks nobody there), short → prefill; ``pd`` topology: the prefill pool
+    only, no spill (it still gains the remaining-work scoring within the pool).
+A3. Spill-over with hysteresis: the home pool's best worker wins while its ``ttft_s`` meets
+    ``ttft_slo_s`` (reason ``home``). Otherwise the other pool's best worker wins only if it beats
+    the home's by more than ``spill_margin`` (relative): short work → ``spill-warm`` on a
+    pre-prefill worker (short work goes where it finishes first); heavy work → ``spill-cold`` on a
+    prefill worker, and only on one after which short work would still meet the SLO somewhere in
+    the prefill pool (smallest queue + ``heavy_uncached_s`` ≤ ``ttft_slo_s``). An empty home pool
+    falls back to the other (``fallback``). The margin makes the choice stable: a spilled request
+    grows the other pool's queue, so spilling stops before the two pools' predictions cross.
+A4. Decode-local append (``decode_append_max_tokens > 0``): a decode worker whose L1 holds the
+    prefix, with an uncached suffix of at most ``decode_append_max_tokens`` whose compute
+    (``prefill_time_s(suffix, cached)``) is at most ``DECODE_APPEND_TPOT_SHARE * tpot_slo_s`` (its
+    running batch waits that long for one token; the rest of the TPOT budget is the batch's own
+    decode step), wins when its ``ttft_s`` (its queued appends + the append) beats the prefill-side
+    winner's, which moreover still owes a KV handoff (``decode-append``: pool ``decode``, prefill
+    worker = decode worker, load plan = its L1 blocks).
+A5. Read-after-write (``raw_wait_max_s > 0``): when blocks being written through right now extend
+    the visible L3 run beyond what the decision loads, decide again as if they were visible; if
+    that decision's TTFT plus the wait for them (``l3_pending_ready_s`` ≤ ``raw_wait_max_s``, added
+    to the queue, not overlapped with it) is smaller, hold the dispatch ``wait_for_l3_s`` and load
+    them from L3 (``wait-for-l3``); otherwise recompute.
+A6. Admission (``admission_factor`` set): when every candidate's ``ttft_s`` exceeds
+    ``admission_factor * max(ttft_slo_s, own_s)`` raise :class:`Overloaded` with
+    ``retry_after_s = ttft_s - max(ttft_slo_s, own_s)`` of the best candidate (the queued work to
+    drain before it would meet its SLO, no new arrivals). A request too large for the SLO even on
+    an idle worker is judged against its own work, so size alone never rejects it.
+A7. Write-through: ``cfg.resolved_write_through()``: ``all`` → every request, ``cold`` → heavy
+    requests, wherever they run.
+A8. Decode worker: rule 6 (:func:`pick_decode`), except the decode-local append's own worker.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -313,19 +362,6 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
     return LoadPlan(loaded[Tier.L1], loaded[Tier.L2], loaded[Tier.L3]), recompute
 
 
-def _estimate_ttft_s(w: WorkerLoad, plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig,
-                     cost: CostModel) -> float:
-    cached = plan.num_cached_blocks * cfg.block_size
-    if w.queued_prefill_s is not None:
-        t = w.queued_prefill_s
-    else:
-        t = cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
-    for tier, n in ((Tier.L2, plan.l2_blocks), (Tier.L3, plan.l3_blocks)):
-        if n:
-            t += cost.load_time_s(tier, n * cfg.block_size * cost.kv_bytes_per_token)
-    return t + cost.prefill_time_s(num_prompt_tokens - cached, cached)
-
-
 def pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
     """The decode worker for a request (rule 6): fewest running requests, then lowest KV use,
     then id; None when no decode worker is healthy. Also the dispatcher's choice on a retry."""
@@ -339,6 +375,8 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
           cost: CostModel) -> RouteDecision:
     """Choose pool, prefill-side worker, load plan and decode worker for one request.
 
+    ``cfg.mode`` static: rules 1-6 of the module docstring; adaptive: rules A1-A8.
+
     Args:
         num_prompt_tokens: prompt length (>= 1).
         match: per-tier leading-block matches of the request's block hashes.
@@ -347,10 +385,19 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
         cost: cost model (the live router's is measured; the simulator's is a roofline).
     Raises:
         NoWorkerError: no healthy prefill-side worker.
+        Overloaded: adaptive admission (``cfg.admission_factor`` set) rejects the request.
     """
     prefill_side = [w for w in loads if w.healthy and w.role in PREFILL_SIDE_ROLES]
     if not prefill_side:
         raise NoWorkerError("no healthy prefill or pre-prefill worker")
+    if cfg.mode == RoutingMode.ADAPTIVE:
+        return _route_adaptive(num_prompt_tokens, match, loads, prefill_side, cfg, cost)
+    return _route_static(num_prompt_tokens, match, loads, prefill_side, cfg, cost)
+
+
+def _route_static(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
+                  prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
+    """Static mode (rules 1-6): reuse ratio -> the class's pool, the smallest estimated TTFT in it."""
     plans = {w.worker_id: plan_loads(w.worker_id, match, num_prompt_tokens, cfg, cost) for w in prefill_side}
     best_cached = max(p.num_cached_blocks for p, _ in plans.values()) * cfg.block_size
     reuse = min(1.0, best_cached / max(1, num_prompt_tokens))
@@ -360,20 +407,197 @@ def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad
     fallback_from = None
     if not pool:
         fallback_from = want
-        pool = prefill_side
+        pool = list(prefill_side)
     scored = []
     for w in pool:
         plan = plans[w.worker_id][0]
-        t = _estimate_ttft_s(w, plan, num_prompt_tokens, cfg, cost)
-        scored.append((t, w.running_requests, w.worker_id, plan, w.role))
-    t, _, wid, plan, role = min(scored)
+        wait, own = _queue_s(w, cost), _own_s(plan, num_prompt_tokens, cfg, cost)
+        scored.append((wait + own, w.running_requests, w.worker_id, plan, w.role, wait, own))
+    t, _, wid, plan, role, _, _ = min(scored)
     wt = cfg.resolved_write_through()
     write = wt == WriteThrough.ALL or (wt == WriteThrough.COLD and cls == RequestClass.COLD)
-    cands = tuple(CandidateEstimate(w_id, Role(r), 0.0, ts, ts, score=ts) for ts, _, w_id, _, r in scored)
+    cands = tuple(CandidateEstimate(w_id, Role(r), wait, own, ts, score=ts)
+                  for ts, _, w_id, _, r, wait, own in scored)
     return RouteDecision(cls, Role(role), wid, pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
                          fallback_from=fallback_from, write_through=write,
                          reason=DecisionReason.FALLBACK if fallback_from is not None else DecisionReason.STATIC,
                          candidates=cands)
+
+
+# -- adaptive mode (issue 11) -------------------------------------------------------------------
+
+DECODE_APPEND_TPOT_SHARE = 0.5
+"""Decode-local append: the append's compute may take at most this share of ``tpot_slo_s`` (the rest
+of the budget is kept for the running batch's own decode step, which the policy does not model)."""
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One candidate worker with its load plan and estimate (adaptive mode)."""
+
+    load: WorkerLoad
+    plan: LoadPlan
+    recompute: Recompute | None
+    est: CandidateEstimate
+
+
+def _queue_s(w: WorkerLoad, cost: CostModel) -> float:
+    """Queued work ahead of a new request on ``w`` (seconds): the caller's per-request sum when it
+    tracks one, else the queued tokens priced as one sequence."""
+    if w.queued_prefill_s is not None:
+        return max(0.0, w.queued_prefill_s)
+    return cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
+
+
+def _own_s(plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig, cost: CostModel) -> float:
+    """This request's own work on a worker: L2/L3 loads of the plan + compute of the uncached suffix."""
+    t = 0.0
+    for tier, n in ((Tier.L2, plan.l2_blocks), (Tier.L3, plan.l3_blocks)):
+        if n:
+            t += cost.load_time_s(tier, n * cfg.block_size * cost.kv_bytes_per_token)
+    cached = plan.num_cached_blocks * cfg.block_size
+    return t + cost.prefill_time_s(num_prompt_tokens - cached, cached)
+
+
+def _candidate(w: WorkerLoad, match: PrefixMatch, num_prompt_tokens: int, cfg: RoutingConfig,
+               cost: CostModel) -> _Candidate:
+    """Estimate one prefill-side worker (rule A1). ``delay_to_others_s`` is ``own_s``: a FCFS queue
+    holds everything that runs after this request there up by its own work."""
+    plan, recompute = plan_loads(w.worker_id, match, num_prompt_tokens, cfg, cost)
+    own, wait = _own_s(plan, num_prompt_tokens, cfg, cost), _queue_s(w, cost)
+    est = CandidateEstimate(w.worker_id, Role(w.role), wait, own, wait + own, delay_to_others_s=own,
+                            score=wait + own)
+    return _Candidate(w, plan, recompute, est)
+
+
+def _best(cands: Sequence[_Candidate]) -> _Candidate:
+    """Smallest predicted TTFT (ties: fewer running requests, then worker id)."""
+    return min(cands, key=lambda c: (c.est.ttft_s, c.load.running_requests, c.load.worker_id))
+
+
+def heavy_uncached_s(cfg: RoutingConfig) -> float:
+    """Own work above which a request is heavy (``cold``): ``heavy_uncached_s`` or a quarter of the SLO."""
+    return cfg.heavy_uncached_s if cfg.heavy_uncached_s is not None else 0.25 * cfg.ttft_slo_s
+
+
+def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> bool:
+    """Heavy work may enter the prefill pool on ``c`` only if short work would still find a prefill
+    worker where it meets the SLO afterwards: the pool's smallest queue, with ``c``'s queue grown by
+    this request's own work, plus the largest short request (``heavy_uncached_s``) fits ``ttft_slo_s``."""
+    waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
+    return min(waits) + heavy_uncached_s(cfg) <= cfg.ttft_slo_s
+
+
+def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingConfig
+                         ) -> tuple[_Candidate, DecisionReason, Role | None]:
+    """Rules A2-A3: the home pool's best worker unless spilling helps; returns (winner, reason,
+    fallback_from)."""
+    home_role = Role.PRE_PREFILL if heavy and cfg.topology == Topology.CPD else Role.PREFILL
+    home = [c for c in cands if c.load.role == home_role]
+    other = [c for c in cands if c.load.role != home_role]
+    if not home:
+        return _best(other), DecisionReason.FALLBACK, home_role
+    best_home = _best(home)
+    if cfg.topology != Topology.CPD or not other or best_home.est.ttft_s <= cfg.ttft_slo_s:
+        return best_home, DecisionReason.HOME, None
+    if heavy:  # heavy work entering the prefill pool must leave room for short work
+        other = [c for c in other if _short_work_still_fits(c, other, cfg)]
+    if other:
+        best_other = _best(other)
+        if best_other.est.ttft_s < (1.0 - cfg.spill_margin) * best_home.est.ttft_s:
+            return best_other, (DecisionReason.SPILL_COLD if heavy else DecisionReason.SPILL_WARM), None
+    return best_home, DecisionReason.HOME, None
+
+
+def _decode_append_candidates(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
+                              cfg: RoutingConfig, cost: CostModel) -> list[_Candidate]:
+    """Rule A4: decode workers holding the prefix in L1 whose append is small enough: uncached suffix
+    at most ``decode_append_max_tokens`` and append compute at most ``DECODE_APPEND_TPOT_SHARE *
+    tpot_slo_s`` (the running batch waits that long for one token; the rest of the TPOT budget is
+    its own decode step). ``delay_to_others_s`` is that stall of the running batch."""
+    if cfg.decode_append_max_tokens <= 0:
+        return []
+    cap = max(0, (num_prompt_tokens - 1) // cfg.block_size)
+    out = []
+    for w in loads:
+        if not (w.healthy and w.role == Role.DECODE and match.l1.get(w.worker_id, 0) > 0):
+            continue
+        plan = LoadPlan(l1_blocks=min(match.l1[w.worker_id], cap))
+        cached = plan.num_cached_blocks * cfg.block_size
+        suffix = num_prompt_tokens - cached
+        append_s = cost.prefill_time_s(suffix, cached)
+        if suffix > cfg.decode_append_max_tokens or append_s > DECODE_APPEND_TPOT_SHARE * cfg.tpot_slo_s:
+            continue
+        wait = _queue_s(w, cost)
+        est = CandidateEstimate(w.worker_id, Role.DECODE, wait, append_s, wait + append_s,
+                                delay_to_others_s=append_s, score=wait + append_s)
+        out.append(_Candidate(w, plan, None, est))
+    return out
+
+
+def _admit(cands: Sequence[CandidateEstimate], cfg: RoutingConfig) -> None:
+    """Rule A6 (``admission_factor`` set): raise :class:`Overloaded` when every candidate's predicted
+    TTFT exceeds ``admission_factor * max(ttft_slo_s, own_s)``: a request too large to meet the SLO
+    even on an idle worker is judged against its own work, so size alone never rejects it.
+    ``retry_after_s`` (best candidate) ``= ttft_s - max(ttft_slo_s, own_s)``: the queued work that must
+    drain before the request would meet its SLO there, at one second of work per second with no
+    new arrivals (an estimate, not a promise)."""
+    if cfg.admission_factor is None or not cands:
+        return
+    factor = cfg.admission_factor
+    if any(c.ttft_s <= factor * max(cfg.ttft_slo_s, c.own_s) for c in cands):
+        return
+    best = min(cands, key=lambda c: c.ttft_s)
+    raise Overloaded(best.ttft_s, best.ttft_s - max(cfg.ttft_slo_s, best.own_s))
+
+
+def _adaptive_decision(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
+                       prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
+    """Rules A1-A4, A7-A8 for one prefix match (no read-after-write, no admission)."""
+    cands = [_candidate(w, match, num_prompt_tokens, cfg, cost) for w in prefill_side]
+    heavy = min(c.est.own_s for c in cands) > heavy_uncached_s(cfg)
+    win, reason, fallback_from = _choose_prefill_side(cands, heavy, cfg)
+    appends = _decode_append_candidates(num_prompt_tokens, match, loads, cfg, cost)
+    decode_worker = pick_decode(loads)
+    if appends and _best(appends).est.ttft_s < win.est.ttft_s:
+        win, reason, fallback_from = _best(appends), DecisionReason.DECODE_APPEND, None
+        heavy, decode_worker = win.est.own_s > heavy_uncached_s(cfg), win.load.worker_id
+    best_cached = max(c.plan.num_cached_blocks for c in cands) * cfg.block_size
+    wt = cfg.resolved_write_through()
+    cls = RequestClass.COLD if heavy else RequestClass.WARM
+    return RouteDecision(cls, Role(win.load.role), win.load.worker_id, decode_worker, win.plan,
+                         min(1.0, best_cached / max(1, num_prompt_tokens)), win.est.ttft_s,
+                         recompute=win.recompute, fallback_from=fallback_from,
+                         write_through=wt == WriteThrough.ALL or (wt == WriteThrough.COLD and heavy),
+                         reason=reason, candidates=tuple(c.est for c in (*cands, *appends)))
+
+
+def _read_after_write(d: RouteDecision, num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
+                      prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
+    """Rule A5: when pending write-through blocks extend the visible L3 run past what ``d`` loads,
+    decide again as if they were visible; wait for them if that decision's TTFT plus the wait
+    (``l3_pending_ready_s``, at most ``raw_wait_max_s``) beats ``d``. The wait is added to the
+    queue, not overlapped with it (conservative: other requests may join the queue meanwhile)."""
+    ready_s = max(0.0, match.l3_pending_ready_s)
+    if (cfg.raw_wait_max_s <= 0 or ready_s > cfg.raw_wait_max_s
+            or match.l3_pending <= max(match.l3, d.load_plan.num_cached_blocks)):
+        return d
+    seen = dataclasses.replace(match, l3=match.l3_pending, l3_pending=0, l3_pending_ready_s=0.0)
+    w = _adaptive_decision(num_prompt_tokens, seen, loads, prefill_side, cfg, cost)
+    if w.estimated_ttft_s + ready_s >= d.estimated_ttft_s or w.load_plan.num_cached_blocks <= d.load_plan.num_cached_blocks:
+        return d
+    waited = tuple(dataclasses.replace(c, wait_s=c.wait_s + ready_s, ttft_s=c.ttft_s + ready_s,
+                                       score=c.score + ready_s) for c in w.candidates)
+    return dataclasses.replace(w, estimated_ttft_s=w.estimated_ttft_s + ready_s, wait_for_l3_s=ready_s,
+                               reason=DecisionReason.WAIT_FOR_L3, candidates=waited)
+
+
+def _route_adaptive(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
+                    prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
+    d = _adaptive_decision(num_prompt_tokens, match, loads, prefill_side, cfg, cost)
+    d = _read_after_write(d, num_prompt_tokens, match, loads, prefill_side, cfg, cost)
+    _admit(d.candidates, cfg)
+    return d
 
 
 @dataclass(frozen=True)
