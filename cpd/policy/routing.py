@@ -576,10 +576,10 @@ def _read_after_write(d: RouteDecision, num_prompt_tokens: int, match: PrefixMat
                       prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
     """Rule A5: when pending write-through blocks extend the visible L3 run past what ``d`` loads,
     decide again as if they were visible; wait for them if that decision's TTFT plus the wait
-    (``l3_pending_ready_s``, at most ``raw_wait_max_s``) beats ``d``. The wait is added to the
+    (``l3_pending_ready_s``, in ``(0, raw_wait_max_s]``) beats ``d``. The wait is added to the
     queue, not overlapped with it (conservative: other requests may join the queue meanwhile)."""
-    ready_s = max(0.0, match.l3_pending_ready_s)
-    if (cfg.raw_wait_max_s <= 0 or ready_s > cfg.raw_wait_max_s
+    ready_s = match.l3_pending_ready_s
+    if (cfg.raw_wait_max_s <= 0 or not 0.0 < ready_s <= cfg.raw_wait_max_s
             or match.l3_pending <= max(match.l3, d.load_plan.num_cached_blocks)):
         return d
     seen = dataclasses.replace(match, l3=match.l3_pending, l3_pending=0, l3_pending_ready_s=0.0)

@@ -1,0 +1,337 @@
+"""Adaptive routing (issue 11, rules A1-A8 of cpd.policy.routing): pure decisions from snapshots."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
+                                PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route)
+from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
+
+BS = 16
+# 1000 prompt tokens per second, L3 at 1 GB/s with 1 ms overhead, 1000 KV bytes per token:
+# a block of 16 tokens computes in 16 ms and loads from L3 in 16 us (+1 ms per load).
+COST = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0, l2_bytes_per_s=1e10,
+                       l3_bytes_per_s=1e9, l3_overhead_s=1e-3)
+CFG = RoutingConfig(topology=Topology.CPD, block_size=BS, mode=RoutingMode.ADAPTIVE, ttft_slo_s=2.0)
+HEAVY_TOKENS = 1600   # 1.6 s of own work on any worker (> heavy threshold 0.5 s)
+SHORT_TOKENS = 3200   # with 3136 cached tokens: 64 new tokens, ~0.07 s
+
+
+def _w(wid: str, role: Role, queued_s: float = 0.0, running: int = 0) -> WorkerLoad:
+    return WorkerLoad(wid, role, running_requests=running, queued_prefill_s=queued_s)
+
+
+def _cluster(pp=(0.0,), p=(0.0, 0.0), d=(0,)) -> list[WorkerLoad]:
+    """Workers pp0.., p0.., d0.. with the given queued seconds (prefill side) / running requests (decode)."""
+    return ([_w(f"pp{i}", Role.PRE_PREFILL, q) for i, q in enumerate(pp)]
+            + [_w(f"p{i}", Role.PREFILL, q) for i, q in enumerate(p)]
+            + [_w(f"d{i}", Role.DECODE, running=r) for i, r in enumerate(d)])
+
+
+def _short_match(**l1) -> PrefixMatch:
+    return PrefixMatch(l1=l1, l3=SHORT_TOKENS // BS - 4)
+
+
+def _by_id(d: RouteDecision) -> dict[str, object]:
+    return {c.worker_id: c for c in d.candidates}
+
+
+def test_every_prefill_side_worker_is_a_candidate_with_its_estimate():
+    d = route(SHORT_TOKENS, _short_match(p0=10), _cluster(pp=(0.3,), p=(0.2, 0.0)), CFG, COST)
+    c = _by_id(d)
+    assert set(c) == {"pp0", "p0", "p1"}
+    for e in d.candidates:
+        assert e.ttft_s == pytest.approx(e.wait_s + e.own_s) and e.delay_to_others_s == pytest.approx(e.own_s)
+    assert c["pp0"].wait_s == 0.3 and c["p0"].wait_s == 0.2
+    assert d.estimated_ttft_s == min(e.ttft_s for e in d.candidates if e.role == Role.PREFILL)
+
+
+def test_heavy_work_goes_where_it_blocks_nobody():
+    """A cold request goes to the pre-prefill pool although a prefill worker is as idle."""
+    d = route(HEAVY_TOKENS, PrefixMatch(), _cluster(), CFG, COST)
+    assert (d.request_class, d.pool, d.reason) == (RequestClass.COLD, Role.PRE_PREFILL, DecisionReason.HOME)
+    assert d.write_through  # cpd default: heavy requests write through
+
+
+def test_class_is_remaining_work_not_reuse_ratio():
+    """90 % reuse of a 100K prompt still leaves 10K tokens (10 s) to compute: heavy."""
+    n = 100_000
+    d = route(n, PrefixMatch(l3=(n * 9 // 10) // BS), _cluster(), CFG, COST)
+    assert d.reuse_ratio >= 0.9 and d.request_class == RequestClass.COLD and d.pool == Role.PRE_PREFILL
+    small = route(300, PrefixMatch(), _cluster(), CFG, COST)  # 0 % reuse, 0.3 s of work: short
+    assert small.reuse_ratio == 0 and small.request_class == RequestClass.WARM and small.pool == Role.PREFILL
+
+
+def test_short_work_goes_where_it_finishes_first_within_home():
+    d = route(SHORT_TOKENS, _short_match(), _cluster(p=(0.4, 0.1)), CFG, COST)
+    assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p1", DecisionReason.HOME)
+    assert not d.write_through
+
+
+def test_hot_prefix_spreads_when_its_holder_is_saturated():
+    """p0 holds the whole prefix in L1; p1 would load it from L3. Idle holder wins; a saturated
+    holder loses to the worker that loads the prefix, which beats recomputing anywhere."""
+    n = 3200
+    match = PrefixMatch(l1={"p0": n // BS - 1}, l3=n // BS - 1)
+    idle = route(n, match, _cluster(p=(0.0, 0.0)), CFG, COST)
+    assert idle.prefill_worker == "p0" and idle.load_plan.l1_blocks == n // BS - 1
+    busy = route(n, match, _cluster(p=(1.5, 0.0)), CFG, COST)
+    assert busy.prefill_worker == "p1" and busy.load_plan.l3_blocks == n // BS - 1
+    assert busy.request_class == RequestClass.WARM and busy.reason == DecisionReason.HOME
+
+
+def test_hot_prefix_ten_concurrent_requests_spread_over_workers():
+    """Ten concurrent requests on one hot prefix, the caller adding each estimate to the chosen
+    worker's queue as the live dispatch does: they do not all queue on the holder."""
+    n = 3200
+    match = PrefixMatch(l1={"p0": n // BS - 1}, l3=n // BS - 1)
+    queues = {"pp0": 0.0, "p0": 0.0, "p1": 0.0}
+    for _ in range(10):
+        d = route(n + 400, match, [_w(w, Role.PRE_PREFILL if w.startswith("pp") else Role.PREFILL, q)
+                                   for w, q in queues.items()], CFG, COST)
+        queues[d.prefill_worker] += _by_id(d)[d.prefill_worker].own_s
+    assert sum(1 for q in queues.values() if q > 0) >= 2
+    assert max(queues.values()) < 10 * 0.4  # not all ten on one worker
+
+
+def test_short_work_spills_to_an_idle_pre_prefill_worker_only_when_home_misses_the_slo():
+    within = route(SHORT_TOKENS, _short_match(), _cluster(p=(1.8, 1.8)), CFG, COST)
+    assert within.pool == Role.PREFILL and within.reason == DecisionReason.HOME  # 1.87 s meets the 2 s SLO
+    over = route(SHORT_TOKENS, _short_match(), _cluster(p=(3.0, 3.0)), CFG, COST)
+    assert (over.pool, over.prefill_worker, over.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
+    assert over.request_class == RequestClass.WARM and not over.write_through
+
+
+def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
+    """Pre-prefill saturated: heavy work takes a prefill worker when another prefill worker keeps
+    room for short work; with a single prefill worker it would block short work: stays home."""
+    two = route(1000, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0, 0.0)), CFG, COST)
+    assert (two.pool, two.reason, two.request_class) == (Role.PREFILL, DecisionReason.SPILL_COLD, RequestClass.COLD)
+    assert two.write_through  # cold writes through wherever it runs
+    one = route(1800, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0,)), CFG, COST)
+    assert one.pool == Role.PRE_PREFILL and one.reason == DecisionReason.HOME
+    small = route(1000, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0,)), CFG, COST)  # 1.0 + 0.5 <= 2
+    assert small.pool == Role.PREFILL and small.reason == DecisionReason.SPILL_COLD
+
+
+@settings(max_examples=300, deadline=None)
+@given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), heavy=st.booleans())
+def test_spill_needs_a_missed_slo_and_more_than_the_margin(home_q, other_q, heavy):
+    n, match = (1000, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
+    home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
+    ws = [_w("h", home, home_q), _w("o", other, other_q), _w("o2", other, other_q), _w("d0", Role.DECODE)]
+    d = route(n, match, ws, CFG, COST)
+    c = _by_id(d)
+    spilled = d.reason in (DecisionReason.SPILL_COLD, DecisionReason.SPILL_WARM)
+    assert spilled == (d.pool == other)
+    if spilled:
+        assert c["h"].ttft_s > CFG.ttft_slo_s
+        assert d.estimated_ttft_s < (1 - CFG.spill_margin) * c["h"].ttft_s
+    elif c["h"].ttft_s > CFG.ttft_slo_s and not heavy:
+        assert c["o"].ttft_s >= (1 - CFG.spill_margin) * c["h"].ttft_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), extra=st.floats(0, 5), heavy=st.booleans())
+def test_spill_is_monotone_in_the_home_queue(home_q, other_q, extra, heavy):
+    """No flapping from the decision itself: a longer home queue never turns a spill back home."""
+    n, match = (1000, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
+    home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
+
+    def pool(q: float) -> Role:
+        ws = [_w("h", home, q), _w("o", other, other_q), _w("o2", other, other_q)]
+        return route(n, match, ws, CFG, COST).pool
+
+    if pool(home_q) == other:
+        assert pool(home_q + extra) == other
+
+
+def _replay(kinds: str, gap_s: float, queues: dict[str, float], cfg: RoutingConfig = CFG):
+    """Scripted steady load: one request every ``gap_s``; the caller adds the chosen worker's
+    own work to its queue (as the live dispatch does) and every queue drains at 1 s/s."""
+    decisions = []
+    for i in range(len(kinds)):
+        for w in queues:
+            queues[w] = max(0.0, queues[w] - gap_s)
+        n, match = (1000, PrefixMatch()) if kinds[i] == "h" else (SHORT_TOKENS, _short_match())
+        ws = [_w(w, Role.PRE_PREFILL if w.startswith("pp") else Role.PREFILL, q) for w, q in queues.items()]
+        d = route(n, match, ws, cfg, COST)
+        queues[d.prefill_worker] += _by_id(d)[d.prefill_worker].own_s
+        decisions.append(d)
+    return decisions
+
+
+def test_steady_sustainable_load_never_spills():
+    """Heavy work (1 s each) every 2.5 s on pre-prefill, short work (0.07 s) in between: both pools
+    keep up, so every decision after the first is HOME, whatever the queues do in between."""
+    ds = _replay("hssss" * 40, 0.5, {"pp0": 0.0, "p0": 0.0, "p1": 0.0})
+    assert all(d.reason == DecisionReason.HOME for d in ds)
+    assert {d.pool for d in ds if d.request_class == RequestClass.COLD} == {Role.PRE_PREFILL}
+
+
+def test_steady_overload_settles_into_a_fixed_pattern():
+    """Heavy work at 1.25x the pre-prefill capacity: spilling absorbs the excess; queues stay
+    bounded and the spill share settles (the same in every later window) instead of swinging."""
+    ds = _replay("h" * 400, 0.8, {"pp0": 0.0, "p0": 0.0, "p1": 0.0})
+    spills = [d.reason == DecisionReason.SPILL_COLD for d in ds]
+    windows = [sum(spills[i:i + 50]) for i in range(100, 400, 50)]
+    assert max(windows) - min(windows) <= 2 and 0 < windows[0] < 50
+    assert max(d.estimated_ttft_s for d in ds[100:]) < 2 * CFG.ttft_slo_s
+
+
+def test_pd_topology_scores_remaining_work_without_spill():
+    cfg = dataclasses.replace(CFG, topology=Topology.PD, write_through=None)
+    ws = [_w("p0", Role.PREFILL, 5.0), _w("p1", Role.PREFILL, 1.0), _w("d0", Role.DECODE)]
+    d = route(HEAVY_TOKENS, PrefixMatch(), ws, cfg, COST)
+    assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p1", DecisionReason.HOME)
+    assert not d.write_through  # pd default: none
+
+
+def test_empty_home_pool_falls_back():
+    ws = [_w("p0", Role.PREFILL), _w("d0", Role.DECODE)]
+    d = route(HEAVY_TOKENS, PrefixMatch(), ws, CFG, COST)
+    assert (d.pool, d.reason, d.fallback_from) == (Role.PREFILL, DecisionReason.FALLBACK, Role.PRE_PREFILL)
+    with pytest.raises(NoWorkerError):
+        route(HEAVY_TOKENS, PrefixMatch(), [_w("d0", Role.DECODE)], CFG, COST)
+
+
+def test_write_through_all_writes_every_request():
+    cfg = dataclasses.replace(CFG, write_through=WriteThrough.ALL)
+    assert route(SHORT_TOKENS, _short_match(), _cluster(), cfg, COST).write_through
+    cfg = dataclasses.replace(CFG, write_through=WriteThrough.NONE)
+    assert not route(HEAVY_TOKENS, PrefixMatch(), _cluster(), cfg, COST).write_through
+
+
+# -- decode-local append (A4) ---------------------------------------------------------------------
+
+APPEND_CFG = dataclasses.replace(CFG, decode_append_max_tokens=64, tpot_slo_s=0.1)
+
+
+def _append_match(decode_blocks: int) -> PrefixMatch:
+    return PrefixMatch(l1={"d1": decode_blocks}, l3=decode_blocks)
+
+
+def test_decode_append_when_small_and_tpot_holds():
+    n = 100 * BS + 30  # 30 uncached tokens: 30 ms of compute, within half the 100 ms TPOT SLO
+    d = route(n, _append_match(100), _cluster(p=(0.5, 0.5), d=(0, 5)), APPEND_CFG, COST)
+    assert (d.pool, d.prefill_worker, d.decode_worker, d.reason) == (Role.DECODE, "d1", "d1",
+                                                                      DecisionReason.DECODE_APPEND)
+    assert d.decode_append and d.load_plan.l1_blocks == 100 and d.request_class == RequestClass.WARM
+    assert d.estimated_ttft_s == pytest.approx(0.03)
+    assert _by_id(d)["d1"].role == Role.DECODE
+
+
+def test_decode_append_refused_when_too_long_or_tpot_breaks_or_off():
+    n = 100 * BS + 30
+    big = route(100 * BS + 80, _append_match(100), _cluster(p=(0.5,)), APPEND_CFG, COST)  # 80 > 64 tokens
+    assert big.pool != Role.DECODE and big.decode_worker == "d0"
+    slow = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=500.0)  # 60 ms > 50 ms
+    assert 30 / 500 > DECODE_APPEND_TPOT_SHARE * APPEND_CFG.tpot_slo_s
+    assert route(n, _append_match(100), _cluster(p=(0.5,)), APPEND_CFG, slow).pool != Role.DECODE
+    off = dataclasses.replace(APPEND_CFG, decode_append_max_tokens=0)
+    assert route(n, _append_match(100), _cluster(p=(0.5,)), off, COST).pool != Role.DECODE
+
+
+def test_decode_append_only_when_it_beats_the_prefill_side():
+    n = 100 * BS + 30
+    match = PrefixMatch(l1={"d0": 100, "p0": 100}, l3=100)  # p0 holds it too and is idle
+    ws = [_w("pp0", Role.PRE_PREFILL), _w("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE, queued_prefill_s=0.2)]
+    d = route(n, match, ws, APPEND_CFG, COST)
+    assert d.pool == Role.PREFILL and d.prefill_worker == "p0"  # 0.03 s beats 0.2 s of queued appends
+    # no decode worker holds it: no append candidate at all
+    d = route(n, PrefixMatch(l3=100), _cluster(), APPEND_CFG, COST)
+    assert all(c.role != Role.DECODE for c in d.candidates)
+
+
+# -- read-after-write (A5) ------------------------------------------------------------------------
+
+RAW_CFG = dataclasses.replace(CFG, raw_wait_max_s=1.0)
+
+
+def test_read_after_write_waits_when_faster():
+    """3000 of 3200 tokens are being written through, visible in 0.2 s: waiting + loading (~0.4 s)
+    beats recomputing them (3.2 s)."""
+    match = PrefixMatch(l3=0, l3_pending=3000 // BS, l3_pending_ready_s=0.2)
+    d = route(3200, match, _cluster(), RAW_CFG, COST)
+    assert d.reason == DecisionReason.WAIT_FOR_L3 and d.wait_for_l3_s == 0.2
+    assert d.load_plan.l3_blocks == 3000 // BS
+    assert d.request_class == RequestClass.WARM and d.pool == Role.PREFILL  # short once the prefix loads
+    assert d.estimated_ttft_s == pytest.approx(0.2 + min(c.own_s for c in d.candidates))
+    assert all(c.wait_s >= 0.2 for c in d.candidates)
+
+
+def test_read_after_write_recomputes_when_waiting_is_slower_or_too_long():
+    few = PrefixMatch(l3=0, l3_pending=2, l3_pending_ready_s=0.5)  # 32 tokens: recompute 32 ms < 0.5 s wait
+    d = route(3200, few, _cluster(), RAW_CFG, COST)
+    assert d.reason != DecisionReason.WAIT_FOR_L3 and d.wait_for_l3_s == 0 and d.load_plan.l3_blocks == 0
+    late = PrefixMatch(l3=0, l3_pending=3000 // BS, l3_pending_ready_s=1.5)  # beyond raw_wait_max_s
+    assert route(3200, late, _cluster(), RAW_CFG, COST).wait_for_l3_s == 0
+    off = dataclasses.replace(RAW_CFG, raw_wait_max_s=0.0)
+    near = PrefixMatch(l3=0, l3_pending=3000 // BS, l3_pending_ready_s=0.1)
+    assert route(3200, near, _cluster(), off, COST).wait_for_l3_s == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(pending=st.integers(0, 199), ready=st.floats(0, 2), visible=st.integers(0, 199))
+def test_read_after_write_waits_only_when_predicted_faster(pending, ready, visible):
+    match = PrefixMatch(l3=visible, l3_pending=pending, l3_pending_ready_s=ready)
+    d = route(3200, match, _cluster(), RAW_CFG, COST)
+    now = route(3200, dataclasses.replace(match, l3_pending=0), _cluster(), RAW_CFG, COST)
+    if d.wait_for_l3_s > 0:
+        assert d.wait_for_l3_s <= RAW_CFG.raw_wait_max_s and pending > visible
+        assert d.estimated_ttft_s < now.estimated_ttft_s
+    else:
+        assert d == now
+
+
+# -- admission (A6) --------------------------------------------------------------------------------
+
+ADMIT_CFG = dataclasses.replace(CFG, admission_factor=2.0)
+
+
+def test_admission_rejects_when_every_candidate_is_far_over_the_slo():
+    with pytest.raises(Overloaded) as e:
+        route(SHORT_TOKENS, _short_match(), _cluster(pp=(9.0,), p=(6.0, 5.0)), ADMIT_CFG, COST)
+    best = 5.0 + 0.064 + 0.001 + 0.0032  # p1: queue + compute 64 tokens + L3 load
+    assert e.value.predicted_ttft_s == pytest.approx(best, rel=1e-2)
+    assert e.value.retry_after_s == pytest.approx(best - ADMIT_CFG.ttft_slo_s, rel=1e-2)
+    assert 0 < e.value.retry_after_s < e.value.predicted_ttft_s
+
+
+def test_admission_admits_when_one_candidate_is_within_the_bound_or_factor_unset():
+    route(SHORT_TOKENS, _short_match(), _cluster(pp=(9.0,), p=(6.0, 3.5)), ADMIT_CFG, COST)  # 3.57 < 4
+    route(SHORT_TOKENS, _short_match(), _cluster(pp=(90.0,), p=(60.0, 50.0)), CFG, COST)  # no factor
+
+
+def test_admission_never_rejects_for_size_alone():
+    """A 20 s prefill on an idle worker cannot meet a 2 s SLO but is admitted; queued behind 30 s of
+    work it is rejected with a Retry-After of that queue."""
+    route(20_000, PrefixMatch(), _cluster(), ADMIT_CFG, COST)
+    with pytest.raises(Overloaded) as e:
+        route(20_000, PrefixMatch(), _cluster(pp=(30.0,), p=(30.0, 30.0)), ADMIT_CFG, COST)
+    assert e.value.retry_after_s == pytest.approx(30.0)
+
+
+# -- static mode untouched -----------------------------------------------------------------------
+
+@settings(max_examples=100, deadline=None)
+@given(slo=st.floats(0.1, 10), margin=st.floats(0, 1), factor=st.floats(0.5, 5), append=st.integers(0, 500),
+       raw=st.floats(0, 5), heavy=st.floats(0.01, 5), q=st.lists(st.floats(0, 10), min_size=3, max_size=3),
+       n=st.integers(1, 5000), l3=st.integers(0, 300), pend=st.integers(0, 300))
+def test_static_mode_ignores_the_adaptive_settings(slo, margin, factor, append, raw, heavy, q, n, l3, pend):
+    static = RoutingConfig(topology=Topology.CPD, block_size=BS)
+    tuned = dataclasses.replace(static, ttft_slo_s=slo, spill_margin=margin, admission_factor=factor,
+                                decode_append_max_tokens=append, raw_wait_max_s=raw, heavy_uncached_s=heavy)
+    match = PrefixMatch(l1={"d0": l3, "p0": l3 // 2}, l3=l3, l3_pending=pend, l3_pending_ready_s=0.01)
+    ws = _cluster(pp=(q[0],), p=(q[1], q[2]))
+    assert route(n, match, ws, tuned, COST) == route(n, match, ws, static, COST)
+    assert route(n, match, ws, static, COST).reason in (DecisionReason.STATIC, DecisionReason.FALLBACK)
+
+
+def test_heavy_threshold_default_is_a_quarter_of_the_slo():
+    assert heavy_uncached_s(CFG) == 0.5
+    assert heavy_uncached_s(dataclasses.replace(CFG, heavy_uncached_s=0.1)) == 0.1
