@@ -30,7 +30,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -40,7 +40,11 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+from cpd.policy.roles import PlannerConfig
+from cpd.policy.routing import RoutingConfig
 from cpd.router.timeouts import DispatchTimeouts
+from cpd.types import RoutingMode, WriteThrough
+from cpd.types import Topology as TopologyEnum
 
 Role = Literal["pre-prefill", "prefill", "decode"]
 Topology = Literal["cpd", "pd"]
@@ -137,7 +141,37 @@ class RouterSection(Section):
     host: str = Field("127.0.0.1", description="listen address of the router (and, under cpd serve, of "
                                                "the workers)")
     port: int = Field(8000, ge=0, le=65535, description="router port (0 = a free port)")
-    cold_threshold: float = Field(0.5, ge=0.0, le=1.0, description="reuse ratio below which a request is cold")
+    cold_threshold: float = Field(0.5, ge=0.0, le=1.0, description="static routing: reuse ratio below which a "
+                                                                   "request is cold")
+    routing_mode: Literal["static", "adaptive"] = Field(
+        "static", description="static: reuse ratio -> fixed pool; adaptive: per-worker remaining-work estimates, "
+                              "spill-over, decode-local append, read-after-write (cpd.policy.routing)")
+    write_through: Optional[Literal["none", "cold", "all"]] = Field(
+        None, description="which prefills write their blocks through to L3: none, cold, all (unset = the "
+                          "topology's default: cpd -> cold, pd -> none; pd + all is the pd-l3 configuration)")
+    ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO the adaptive rules and admission aim at (s)")
+    tpot_slo_s: float = Field(0.1, gt=0, description="TPOT SLO (s); decode-local append must keep it")
+    heavy_uncached_s: Optional[float] = Field(None, gt=0, description="adaptive: uncached work above this is "
+                                                                      "heavy (s; unset = 0.25 x ttft_slo_s)")
+    spill_margin: float = Field(0.25, ge=0, description="adaptive: relative TTFT gain needed before work spills "
+                                                        "out of its home pool")
+    admission_factor: Optional[float] = Field(None, gt=0, description="reject with 429 + Retry-After when every "
+                                                                      "candidate's predicted TTFT exceeds this x "
+                                                                      "ttft_slo_s (unset = admit everything)")
+    decode_append_max_tokens: int = Field(0, ge=0, description="adaptive: prefill an uncached suffix of at most "
+                                                               "this many tokens on the decode worker holding "
+                                                               "the prefix (0 = off)")
+    raw_wait_max_s: float = Field(0.0, ge=0, description="read-after-write: longest hold of a request for "
+                                                         "blocks being written through to L3 (0 = never wait)")
+    raw_ready_margin_s: float = Field(0.25, ge=0, description="read-after-write: blocks being written through "
+                                                              "are predicted visible this long after their "
+                                                              "prefill's predicted end (s)")
+    elastic: bool = Field(False, description="move prefill-side workers between pre-prefill and prefill at run "
+                                             "time (cpd.router.elastic; settings in router.planner)")
+    role_window_s: float = Field(30.0, gt=0, description="elastic: the measurement window of the roles "
+                                                         "planner (s)")
+    planner: PlannerConfig = Field(default_factory=PlannerConfig,
+                                   description="elastic roles planner settings (cpd.policy.roles)")
     max_in_flight: int = Field(256, ge=1, description="requests in flight; beyond it 429")
     max_decode_per_worker: int = Field(0, ge=0, description="requests per decode worker "
                                                             "(0 = 2 x engine.max_num_seqs)")
@@ -210,11 +244,13 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Flag:
     """A command-line flag that overrides one key. ``worker``: the worker process accepts it
-    too (the engine/KV/handoff settings); every flag is accepted by ``cpd serve``."""
+    too (the engine/KV/handoff settings); ``router``: ``cpd router`` accepts it too (routing
+    settings); every flag is accepted by ``cpd serve``."""
 
     key: str
     names: tuple[str, ...]
     worker: bool = False
+    router: bool = False
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -242,9 +278,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("handoff.force_tcp", ("--handoff-force-tcp",), worker=True),
     Flag("router.host", ("--host",)),
     Flag("router.port", ("--port",)),
-    Flag("router.cold_threshold", ("--cold-threshold",)),
-    Flag("router.max_in_flight", ("--max-in-flight",)),
-    Flag("deployment.topology", ("--topology",)),
+    Flag("router.cold_threshold", ("--cold-threshold",), router=True),
+    Flag("router.max_in_flight", ("--max-in-flight",), router=True),
+    Flag("router.routing_mode", ("--routing-mode",), router=True),
+    Flag("router.write_through", ("--write-through",), router=True),
+    Flag("router.ttft_slo_s", ("--ttft-slo",), router=True),
+    Flag("router.tpot_slo_s", ("--tpot-slo",), router=True),
+    Flag("router.heavy_uncached_s", ("--heavy-uncached",), router=True),
+    Flag("router.spill_margin", ("--spill-margin",), router=True),
+    Flag("router.admission_factor", ("--admission-factor",), router=True),
+    Flag("router.decode_append_max_tokens", ("--decode-append-max-tokens",), router=True),
+    Flag("router.raw_wait_max_s", ("--raw-wait-max",), router=True),
+    Flag("router.elastic", ("--elastic",), router=True),
+    Flag("deployment.topology", ("--topology",), router=True),
     Flag("deployment.num_pre_prefill", ("--pre-prefill",)),
     Flag("deployment.num_prefill", ("--prefill",)),
     Flag("deployment.num_decode", ("--decode",)),
@@ -252,6 +298,39 @@ FLAGS: tuple[Flag, ...] = (
     Flag("deployment.restart_backoff_s", ("--restart-backoff-s",)),
     Flag("deployment.restart_backoff_max_s", ("--restart-backoff-max-s",)),
 )
+
+
+def add_argparse_flags(p: Any, flags: "Sequence[Flag]") -> None:
+    """Add ``flags`` to an ``argparse`` parser (``cpd worker``, ``cpd router``); read them back
+    with :func:`argparse_overrides`. A boolean flag takes no value (``--elastic``)."""
+    for f in flags:
+        help_text = f"{field_info(f.key)[1]} (key {f.key})".replace("%", "%%")
+        if field_info(f.key)[0] is bool:
+            p.add_argument(*f.names, dest=_argparse_dest(f.key), action="store_const", const=True, default=None,
+                           help=help_text)
+        else:
+            p.add_argument(*f.names, dest=_argparse_dest(f.key), default=None, metavar="VALUE", help=help_text)
+
+
+def argparse_overrides(a: Any, flags: "Sequence[Flag]") -> dict[str, Any]:
+    """The keys set by ``flags`` in parsed ``argparse`` arguments (unset ones are None)."""
+    return {f.key: getattr(a, _argparse_dest(f.key)) for f in flags}
+
+
+def _argparse_dest(key: str) -> str:
+    return "cfg__" + key.replace(".", "__")
+
+
+def routing_config(cfg: Config, block_size: int | None = None) -> RoutingConfig:
+    """The policy's :class:`RoutingConfig` from ``router.*`` and ``deployment.topology`` (the one
+    place it is built live); ``block_size``: the served KV namespace's (default ``engine.block_size``)."""
+    r = cfg.router
+    return RoutingConfig(topology=TopologyEnum(cfg.deployment.topology), cold_threshold=r.cold_threshold,
+                         block_size=block_size or cfg.engine.block_size, mode=RoutingMode(r.routing_mode),
+                         write_through=WriteThrough(r.write_through) if r.write_through is not None else None,
+                         ttft_slo_s=r.ttft_slo_s, tpot_slo_s=r.tpot_slo_s, heavy_uncached_s=r.heavy_uncached_s,
+                         spill_margin=r.spill_margin, admission_factor=r.admission_factor,
+                         decode_append_max_tokens=r.decode_append_max_tokens, raw_wait_max_s=r.raw_wait_max_s)
 
 
 def field_info(key: str) -> tuple[Any, str]:

@@ -11,6 +11,10 @@ endpoint                       request body              answer
 ``POST /prefill``              :class:`PrefillRequest`   :class:`PrefillResponse`
 ``POST /decode``               :class:`DecodeRequest`    NDJSON :class:`DecodeLine` per line
                                                          (an empty line is a heartbeat)
+``POST /append``               :class:`AppendRequest`    NDJSON :class:`DecodeLine` per line
+                                                         (decode-local append; the first line
+                                                         carries the prefix-cache figures)
+``POST /role``                 :class:`RoleChangeRequest`  :class:`RoleChangeResponse`
 ``POST /handoff/release``      :class:`~cpd.messages.handoff.HandoffRelease`  :class:`Ack`
 ``GET /load``                  –                         :class:`LoadReport`
 ``GET /kv_snapshot``           –                         :class:`KvSnapshot`
@@ -101,13 +105,43 @@ class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
 
 
+class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode-local append (issue 11 §4): generate ``prompt_token_ids`` to completion on this
+    worker, one full-mode request (its cached prefix from L1/L2, the uncached suffix prefilled
+    here, then decoded; no handoff). Answered like ``POST /decode``, as a stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None = None
+
+
 class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One NDJSON line of ``POST /decode``: new tokens, the finish reason on the last one, or
-    ``error`` (the request failed on the worker)."""
+    """One NDJSON line of ``POST /decode`` or ``POST /append``: new tokens, the finish reason on
+    the last one, or ``error`` (the request failed on the worker). The first line of an append
+    also carries ``num_cached_tokens_by_tier`` (prompt tokens whose KV came from each tier) and
+    ``queue_s`` (seconds the request waited in the engine)."""
 
     token_ids: list[int] = []
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens_by_tier: dict[Tier, int] | None = None
+    queue_s: float | None = None
+
+
+class RoleChangeRequest(msgspec.Struct, frozen=True):
+    """Serve ``role`` from now on (elastic roles, issue 11 §3). Only between the prefill-side
+    roles (pre-prefill ↔ prefill): a decode worker has no handoff sender and no L3 connector."""
+
+    role: Role
+
+
+class RoleChangeResponse(msgspec.Struct, frozen=True):
+    """The change made (``from_role == to_role`` when the worker already had the role)."""
+
+    worker_id: str
+    from_role: Role
+    to_role: Role
 
 
 class WorkerHealth(msgspec.Struct, frozen=True):
@@ -195,6 +229,7 @@ def encode(msg: Any) -> bytes:
     return msgspec.json.encode(msg)
 
 
-__all__ = ["PrefillRequest", "PrefillResponse", "L3Observation", "DecodeRequest", "DecodeLine", "LoadReport",
+__all__ = ["PrefillRequest", "PrefillResponse", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
+           "RoleChangeRequest", "RoleChangeResponse", "LoadReport",
            "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "Ack", "ErrorBody", "HandoffHandle",
            "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode"]

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import httpx
 from fastapi import FastAPI
@@ -22,10 +23,12 @@ from cpd.auth import client_auth
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
 from cpd.messages.worker_api import KvSnapshot, L3Snapshot, decode_body
+from cpd.policy.roles import PlannerConfig
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router import compat, registration
 from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend
 from cpd.router.dispatch import CPDBackend, DispatchTimeouts
+from cpd.router.elastic import ElasticRoles
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
@@ -43,7 +46,8 @@ class Router:
 
     def __init__(self, workers: list[WorkerInfo], namespace: Namespace, tokenizer_dir: str, model_name: str,
                  max_model_len: int, kv_bytes_per_token: int, topology: str = "cpd", cold_threshold: float = 0.5,
-                 max_in_flight: int = 256, max_decode_per_worker: int = 64,
+                 routing: RoutingConfig | None = None, elastic: PlannerConfig | None = None,
+                 role_window_s: float = 30.0, raw_ready_margin_s: float = 0.25, max_in_flight: int = 256, max_decode_per_worker: int = 64,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
                  open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
                  timeouts: DispatchTimeouts | None = None):
@@ -54,7 +58,14 @@ class Router:
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
-        self.cfg = RoutingConfig(topology=Topology(topology), cold_threshold=cold_threshold, block_size=namespace.block_size)
+        # routing settings: ``routing`` (cpd.config.routing_config), else the static defaults; the
+        # block size is always the served namespace's
+        base = routing or RoutingConfig(topology=Topology(topology), cold_threshold=cold_threshold)
+        self.cfg = replace(base, block_size=namespace.block_size)
+        self.planner_cfg = elastic  # None: roles stay as configured (router.elastic off)
+        self.role_window_s = role_window_s
+        self.raw_ready_margin_s = raw_ready_margin_s
+        self.elastic: ElasticRoles | None = None
         self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token))
         self.namespace = namespace
         self.tokenizer_dir = tokenizer_dir
@@ -174,6 +185,8 @@ class Router:
             await router.resync_l3()
             tasks = [asyncio.create_task(router.workers.run_poller(router.client)),
                      asyncio.create_task(router._maintenance())]
+            if router.elastic is not None:
+                tasks.append(asyncio.create_task(router.elastic.run(router.client)))
             yield
             for t in tasks:
                 t.cancel()
@@ -183,7 +196,13 @@ class Router:
         backend = self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates,
                                             self.metrics, client=None,  # type: ignore[arg-type]  # set in lifespan
                                             max_in_flight=self.max_in_flight,
-                                  max_decode_per_worker=self.max_decode_per_worker, timeouts=self.timeouts)
+                                  max_decode_per_worker=self.max_decode_per_worker, timeouts=self.timeouts,
+                                            raw_ready_margin_s=self.raw_ready_margin_s)
+        if self.planner_cfg is not None:
+            from cpd.policy.role_window import RoleWindow
+            self.backend.role_window = RoleWindow(self.role_window_s, self.cfg.ttft_slo_s)
+            self.elastic = ElasticRoles(self.workers, self.backend.role_window, self.planner_cfg, self.metrics)
+        self.metrics.watch_workers(self.workers)
         app = create_app(TenantScopedBackend(self.backend), self.tokenizer_dir, self.model_name, self.max_model_len,
                          max_request_body_bytes=self.max_request_body_bytes)
         app.router.lifespan_context = lifespan
@@ -197,7 +216,8 @@ class Router:
             return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
                                   "reason": w.refusal_reason, "max_model_len": w.max_model_len,
                                   "queued_prefill_tokens": w.queued_prefill_tokens,
-                                  "running_requests": w.running_requests, "load": w.last_load}
+                                  "running_requests": w.running_requests, "load": w.last_load,
+                                  "last_role_change": w.last_role_change}
                     for w in router.workers.by_id.values()}
 
         @app.get("/cpd/requests")

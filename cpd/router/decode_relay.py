@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
-from cpd.messages.worker_api import (DecodeLine, DecodeRequest, ErrorBody, MalformedBody, decode_body, encode)
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, ErrorBody, MalformedBody,
+                                     decode_body, encode)
 from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk
 from cpd.router.timeouts import DispatchTimeouts
@@ -34,10 +35,12 @@ class DecodeFailed(Exception):
 
 
 async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, metrics: RouterMetrics,
-                       w: WorkerInfo, slots: asyncio.Semaphore, body: DecodeRequest, staging_deadline: float,
-                       kv_bytes: int) -> AsyncIterator[GenerationChunk]:
+                       w: WorkerInfo, slots: asyncio.Semaphore, body: DecodeRequest | AppendRequest,
+                       staging_deadline: float, kv_bytes: int, path: str = "/decode",
+                       on_first_line: Callable[[DecodeLine], None] | None = None) -> AsyncIterator[GenerationChunk]:
     """Take a decode slot on ``w`` (waiting at most until ``staging_deadline``, router monotonic
-    clock), send ``body`` and yield its tokens until the finish reason."""
+    clock), send ``body`` to ``path`` (``/decode``, or ``/append`` for a decode-local append) and
+    yield its tokens until the finish reason; ``on_first_line`` sees the first line first."""
     try:  # a free slot is taken at once; a wait for one ends before the staging's deadline
         await asyncio.wait_for(slots.acquire(), None if not slots.locked() else
                                max(0.0, staging_deadline - time.monotonic()))
@@ -49,12 +52,12 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
     r = None
     try:
         first_byte_s = timeouts.decode_first_byte_s(kv_bytes)
-        http_req = client.build_request("POST", f"{w.url}/decode", content=encode(body), headers=JSON_HEADERS,
+        http_req = client.build_request("POST", f"{w.url}{path}", content=encode(body), headers=JSON_HEADERS,
                                         timeout=timeouts.httpx(max(first_byte_s, timeouts.decode_idle_s)))
         r = await asyncio.wait_for(client.send(http_req, stream=True), timeouts.connect_s + first_byte_s)
         if r.status_code != 200:
             await _decode_refused(metrics, w.worker_id, r)
-        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id):
+        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line):
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -67,9 +70,11 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
             await r.aclose()
 
 
-async def _lines(r: httpx.Response, idle_s: float, worker_id: str) -> AsyncIterator[GenerationChunk]:
+async def _lines(r: httpx.Response, idle_s: float, worker_id: str,
+                 on_first_line: Callable[[DecodeLine], None] | None = None) -> AsyncIterator[GenerationChunk]:
     """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped)."""
     lines = r.aiter_lines().__aiter__()
+    first = True
     while True:
         try:
             line = await asyncio.wait_for(lines.__anext__(), idle_s)
@@ -83,6 +88,9 @@ async def _lines(r: httpx.Response, idle_s: float, worker_id: str) -> AsyncItera
             raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
         if msg.error is not None:
             raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
+        if first and on_first_line is not None:
+            on_first_line(msg)
+        first = False
         yield GenerationChunk(token_ids=msg.token_ids, finish_reason=msg.finish_reason)
 
 

@@ -10,6 +10,19 @@ Per request (docs/architecture.md request flow):
    handle. The first token is yielded at once (TTFT).
 4. ``POST /decode`` on the decode worker with the handle; relay its NDJSON stream.
 
+Adaptive decisions (issue 11) add three paths around these steps:
+
+* Admission: :class:`cpd.policy.routing.Overloaded` → 429 with ``Retry-After`` from the
+  prediction (counted in ``cpd_admission_rejected_total``).
+* Read-after-write: a decision with ``write_through`` announces the blocks it will write to L3
+  (:meth:`cpd.router.index.PrefixIndex.add_pending_writes`, predicted visible at the prefill's
+  predicted end + ``raw_ready_margin_s``); a decision with ``wait_for_l3_s > 0`` is held until the
+  router's L3 view shows the pending run or the wait (at most ``raw_wait_max_s``) passes, then
+  decided again and dispatched whatever it says (the engine recomputes what is missing).
+* Decode-local append (``decision.decode_append``): one ``POST /append`` on the decode worker
+  holding the prefix (the suffix prefilled there, then decoded, no handoff), relayed like a
+  decode. If that worker fails before its first token the request is routed again without it.
+
 Closing the generator (client disconnect, stop string) cancels the in-flight HTTP
 call, which the worker sees as a disconnect and aborts — blocks are freed on every
 worker.
@@ -35,16 +48,16 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, cast
+from typing import TYPE_CHECKING, AsyncIterator, cast
 
 import httpx
 
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import (DecodeRequest, MalformedBody, PrefillRequest, PrefillResponse, decode_body,
-                                     encode)
-from cpd.policy.routing import NoWorkerError, RouteDecision, RoutingConfig, route
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, MalformedBody, PrefillRequest,
+                                     PrefillResponse, decode_body, encode)
+from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
 from cpd.policy.routing import pick_decode
 from cpd.router.decode_relay import JSON_HEADERS, DecodeFailed, relay_decode
 from cpd.router.dispatch_records import RecentRequests, record_prefill
@@ -54,9 +67,13 @@ from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerSet
-from cpd.types import BlockHash, Role, Tier
+from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
+
+if TYPE_CHECKING:
+    from cpd.policy.role_window import RoleWindow
 
 log = logging.getLogger("cpd.router")
+RAW_POLL_S = 0.02  # read-after-write: how often a held dispatch looks at the L3 view
 
 __all__ = ["CPDBackend", "DispatchTimeouts"]
 
@@ -83,9 +100,11 @@ class _Run:
 
     def __init__(self, req: GenerationRequest):
         self.req = req
+        self.t0 = req.arrival_time if req.arrival_time is not None else time.monotonic()
         self.excluded: set[str] = set()
         self.calls = 0
         self.reprefills = 0
+        self.raw_wait_s = 0.0  # read-after-write hold before the first dispatch
 
     def worker_request_id(self) -> str:
         self.calls += 1
@@ -98,8 +117,10 @@ class CPDBackend:
     def __init__(self, workers: WorkerSet, index: PrefixIndex, namespace: Namespace, cfg: RoutingConfig,
                  estimates: CostEstimates, metrics: RouterMetrics, client: httpx.AsyncClient,
                  max_in_flight: int = 256, max_decode_per_worker: int = 64,
-                 timeouts: DispatchTimeouts | None = None):
+                 timeouts: DispatchTimeouts | None = None, raw_ready_margin_s: float = 0.25):
         self.workers = workers
+        self.raw_ready_margin_s = raw_ready_margin_s  # pending L3 writes: visible this long after the prefill
+        self.role_window: RoleWindow | None = None  # elastic roles: fed with every prefill (cpd.router.elastic)
         self.timeouts = timeouts or DispatchTimeouts.from_env()
         self.index = index
         self.namespace = namespace
@@ -115,18 +136,61 @@ class CPDBackend:
         self.decode_slots = {wid: asyncio.Semaphore(max_decode_per_worker) for wid in workers.by_id}
         self.recent = RecentRequests()  # request_id -> routing record (bounded)
 
-    def decide(self, req: GenerationRequest,
-               excluded: set[str] | frozenset[str] = frozenset()) -> tuple[RouteDecision, list[BlockHash]]:
-        """Route ``req``; workers in ``excluded`` (failed for this request) are not candidates."""
+    def decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str] = frozenset(),
+               allow_append: bool = True) -> tuple[RouteDecision, list[BlockHash]]:
+        """Route ``req``; workers in ``excluded`` (failed for this request) are not candidates;
+        ``allow_append=False`` rules out a decode-local append (a re-prefill needs a handoff).
+
+        Raises:
+            BackendError: 503 without a usable worker, 429 (``Retry-After`` from the prediction)
+                when SLO-predictive admission refuses the request."""
+        d, hashes, _ = self._decide(req, excluded, allow_append)
+        return d, hashes
+
+    def _decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str],
+                allow_append: bool) -> tuple[RouteDecision, list[BlockHash], PrefixMatch]:
         hashes = cast(list[BlockHash], hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt)))
         match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
+        cfg = self.cfg if allow_append else replace(self.cfg, decode_append_max_tokens=0)
         try:
-            d = route(len(req.prompt_token_ids), match, self._snapshots(set(excluded)), self.cfg, self.estimates.model())
+            d = route(len(req.prompt_token_ids), match, self._snapshots(set(excluded)), cfg, self.estimates.model())
         except NoWorkerError as e:
             raise BackendError(str(e), 503, "service_unavailable") from e
+        except Overloaded as e:
+            self.metrics.admission_rejected.inc()
+            self.metrics.predicted_ttft_rejected_s.observe(e.predicted_ttft_s)
+            raise BackendError(f"overloaded: {e}; retry later", 429, "rate_limit_exceeded",
+                               code="slo_admission", retry_after_s=max(0.0, e.retry_after_s)) from e
         if d.decode_worker is None:
             raise BackendError("no healthy decode worker", 503, "service_unavailable")
-        return d, hashes
+        return d, hashes, match
+
+    async def _decide_first(self, run: _Run) -> tuple[RouteDecision, list[BlockHash]]:
+        """The first decision of a request, after the read-after-write hold it asks for (if
+        any): the request is then decided again and dispatched whatever that says."""
+        d, hashes, match = self._decide(run.req, run.excluded, allow_append=True)
+        if d.wait_for_l3_s <= 0 or match.l3_pending <= match.l3:
+            return d, hashes
+        bound_s = min(d.wait_for_l3_s, self.cfg.raw_wait_max_s)
+        run.raw_wait_s, visible = await self._wait_for_l3(hashes, match.l3_pending, bound_s,
+                                                          (len(run.req.prompt_token_ids) - 1) // self.cfg.block_size)
+        self.metrics.raw_waits.labels("visible" if visible else "timeout").inc()
+        self.metrics.raw_wait_s.observe(run.raw_wait_s)
+        d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True)
+        return replace(d, wait_for_l3_s=0.0), hashes
+
+    async def _wait_for_l3(self, hashes: list[BlockHash], target_blocks: int, bound_s: float,
+                           l3_max_blocks: int) -> tuple[float, bool]:
+        """Wait until the router's L3 view shows ``target_blocks`` leading blocks, at most
+        ``bound_s``; returns (seconds waited, whether they showed up)."""
+        t0 = time.monotonic()
+        while True:
+            if self.index.match(hashes, l3_max_blocks=l3_max_blocks).l3 >= target_blocks:
+                return time.monotonic() - t0, True
+            left = bound_s - (time.monotonic() - t0)
+            if left <= 0:
+                return time.monotonic() - t0, False
+            await asyncio.sleep(min(RAW_POLL_S, left))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self.in_flight >= self.max_in_flight:
@@ -150,15 +214,42 @@ class CPDBackend:
             self.metrics.requests.labels(outcome).inc()
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        t0 = req.arrival_time if req.arrival_time is not None else time.monotonic()
         run = _Run(req)
-        pre = await self._prefill_with_retry(run)
+        d, hashes = await self._decide_first(run)
+        if d.decode_append:
+            sent = False
+            try:
+                async for chunk in self._append(run, d):
+                    sent = True
+                    yield chunk
+                return
+            except DecodeFailed as e:
+                if sent:
+                    raise BackendError(f"decode worker {d.decode_worker} failed mid-stream: {e}", 502,
+                                       "server_error") from e
+                log.warning("decode-local append of %s on %s failed before its first token (%s); rerouting",
+                            req.request_id, d.decode_worker, e)
+                self.metrics.decode_appends.labels("fallback").inc()
+                if e.worker_failed and d.decode_worker is not None:
+                    self.workers.mark_unhealthy(d.decode_worker)
+                    run.excluded.add(d.decode_worker)
+                first = None
+        else:
+            first = (d, hashes)
+        async for chunk in self._disaggregated(run, first):
+            yield chunk
+
+    async def _disaggregated(self, run: _Run, first: tuple[RouteDecision, list[BlockHash]] | None
+                             ) -> AsyncIterator[GenerationChunk]:
+        """Prefill on a prefill-side worker, hand off, decode on a decode worker."""
+        req = run.req
+        pre = await self._prefill_with_retry(run, first=first)
         ans, d = pre.answer, pre.decision
-        ttft = time.monotonic() - t0
+        ttft = time.monotonic() - run.t0
         n_prompt = len(req.prompt_token_ids)
         record_prefill(self.metrics, self.estimates, d, ans, ttft, n_prompt)
         self._correct_stale_index(d, ans)
-        self.recent.remember(req.request_id, d, ans, n_prompt, ttft)
+        self.recent.remember(req.request_id, d, ans, n_prompt, ttft, raw_wait_s=run.raw_wait_s)
         try:
             yield GenerationChunk(token_ids=ans.first_token_ids, finish_reason=ans.finish_reason,
                                   num_cached_tokens=min(ans.num_cached_tokens, n_prompt))
@@ -175,6 +266,61 @@ class CPDBackend:
         if n_out > 1:
             self.metrics.tpot_s.observe((time.monotonic() - t_first) / (n_out - 1))
 
+    async def _append(self, run: _Run, d: RouteDecision) -> AsyncIterator[GenerationChunk]:
+        """Decode-local append: the whole generation on ``d.decode_worker`` (``POST /append``).
+        Its predicted prefill counts in that worker's queue until the first token. Raises
+        :class:`DecodeFailed` when the worker fails (the caller reroutes if nothing was sent)."""
+        req = run.req
+        assert d.decode_worker is not None
+        w = self.workers.by_id[d.decode_worker]
+        n = len(req.prompt_token_ids)
+        cached = d.load_plan.num_cached_blocks * self.cfg.block_size
+        est_s = self.estimates.model().prefill_time_s(n - cached, cached)
+        body = AppendRequest(request_id=run.worker_request_id(), prompt_token_ids=req.prompt_token_ids,
+                             sampling=req.sampling, cache_salt=req.cache_salt)
+        log.debug("route %s decode-append on %s plan=%s", req.request_id, w.worker_id, dataclasses.asdict(d.load_plan))
+        first: list[DecodeLine] = []
+        w.queued_prefill_tokens += n
+        w.queued_prefill_s += est_s
+        queued = True
+
+        def unqueue() -> None:
+            nonlocal queued
+            if queued:
+                queued = False
+                w.queued_prefill_tokens -= n
+                w.queued_prefill_s -= est_s
+
+        deadline = time.monotonic() + self.timeouts.prefill_s(d.estimated_ttft_s)
+        n_out, t_first = 0, 0.0
+        try:
+            async for chunk in relay_decode(self.client, self.timeouts, self.metrics, w,
+                                            self.decode_slots[w.worker_id], body, deadline, 0,
+                                            path="/append", on_first_line=first.append):
+                if not n_out:
+                    unqueue()
+                    t_first = time.monotonic()
+                    self._record_append(run, d, first[0], t_first - run.t0, n)
+                    chunk = replace(chunk, num_cached_tokens=min(n, sum((first[0].num_cached_tokens_by_tier
+                                                                         or {}).values())))
+                n_out += len(chunk.token_ids)
+                yield chunk
+        finally:
+            unqueue()
+        self.metrics.decode_appends.labels("ok").inc()
+        if n_out > 1:
+            self.metrics.tpot_s.observe((time.monotonic() - t_first) / (n_out - 1))
+
+    def _record_append(self, run: _Run, d: RouteDecision, line: DecodeLine, ttft_s: float, n_prompt: int) -> None:
+        """Metrics and the ``/cpd/requests`` record of an append, from its first line (the
+        figures a prefill answer would carry)."""
+        ans = PrefillResponse(first_token_ids=list(line.token_ids), finish_reason=line.finish_reason,
+                              num_cached_tokens_by_tier=dict(line.num_cached_tokens_by_tier or {}),
+                              prefill_s=ttft_s, queue_s=line.queue_s,
+                              compute_s=None if line.queue_s is None else max(0.0, ttft_s - line.queue_s))
+        record_prefill(self.metrics, self.estimates, d, ans, ttft_s, n_prompt)
+        self.recent.remember(run.req.request_id, d, ans, n_prompt, ttft_s, raw_wait_s=run.raw_wait_s)
+
     def _release_handoff(self, handle: HandoffHandle | None) -> None:
         """Fire-and-forget release of a handoff nobody will fetch (the sender also reclaims
         unreleased regions after a timeout). Names the staging's generation, so a late release
@@ -190,14 +336,19 @@ class CPDBackend:
                 pass
         asyncio.get_running_loop().create_task(release())
 
-    async def _prefill_with_retry(self, run: _Run, sampling: SamplingParams | None = None) -> _Prefilled:
-        """Prefill on the policy's choice; on any transport failure or timeout, mark that worker
-        unhealthy, exclude it for this request and retry on the next choice (issue 7 §3-§4)."""
+    async def _prefill_with_retry(self, run: _Run, sampling: SamplingParams | None = None,
+                                  first: tuple[RouteDecision, list[BlockHash]] | None = None) -> _Prefilled:
+        """Prefill on the policy's choice (``first``: the decision already made for the first
+        attempt); on any transport failure or timeout, mark that worker unhealthy, exclude it for
+        this request and retry on the next choice (issue 7 §3-§4)."""
         last: BaseException | None = None
         for attempt in range(self.timeouts.max_prefill_attempts):
-            d, hashes = self.decide(run.req, run.excluded)
+            if attempt == 0 and first is not None:
+                d, hashes = first
+            else:
+                d, hashes = self.decide(run.req, run.excluded, allow_append=False)
             try:
-                ans = await self._prefill(run, d, sampling)
+                ans = await self._prefill(run, d, hashes, sampling)
             except (httpx.TransportError, asyncio.TimeoutError) as e:
                 log.warning("prefill of %s on %s failed (%r); attempt %d", run.req.request_id, d.prefill_worker,
                             e, attempt)
@@ -214,9 +365,11 @@ class CPDBackend:
         raise BackendError(f"prefill failed on {', '.join(sorted(run.excluded))}: {last!r}", 503,
                            "service_unavailable", retry_after_s=1)
 
-    async def _prefill(self, run: _Run, d: RouteDecision, sampling: SamplingParams | None = None) -> PrefillResponse:
+    async def _prefill(self, run: _Run, d: RouteDecision, hashes: list[BlockHash],
+                       sampling: SamplingParams | None = None) -> PrefillResponse:
         """One ``POST /prefill``, bounded by :meth:`DispatchTimeouts.prefill_s` of the policy's
-        estimate."""
+        estimate. With ``write_through`` the blocks it computes are announced as pending L3
+        writes (read-after-write) until they show up, expire, or the call fails."""
         req = run.req
         w = self.workers.by_id[d.prefill_worker]
         n = len(req.prompt_token_ids)
@@ -227,28 +380,43 @@ class CPDBackend:
                               write_through=d.write_through)
         log.debug("route %s cls=%s pool=%s worker=%s plan=%s reasons=%s", req.request_id, d.request_class, d.pool,
                   d.prefill_worker, dataclasses.asdict(d.load_plan), d.reasons)
-        cached = d.load_plan.num_cached_blocks * self.cfg.block_size
+        cached_blocks = d.load_plan.num_cached_blocks
+        cached = cached_blocks * self.cfg.block_size
         est_s = self.estimates.model().prefill_time_s(n - cached, cached)
         limit_s = self.timeouts.prefill_s(d.estimated_ttft_s)
+        now = time.monotonic()
+        pending = hashes[cached_blocks:] if d.write_through else []
+        if pending:
+            self.index.add_pending_writes(pending, now + d.estimated_ttft_s + self.raw_ready_margin_s)
+        if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
+            self.role_window.observe_dispatch(now, d, est_s)
         w.queued_prefill_tokens += n
         w.queued_prefill_s += est_s
         w.running_requests += 1
+        ok = False
         try:
             r = await asyncio.wait_for(
                 self.client.post(f"{w.url}/prefill", content=encode(body), headers=JSON_HEADERS,
                                  timeout=self.timeouts.httpx(limit_s)),
                 self.timeouts.connect_s + limit_s)
+            ok = r.status_code == 200
         finally:
             w.queued_prefill_tokens -= n
             w.queued_prefill_s -= est_s
             w.running_requests -= 1
+            if pending and not ok:
+                self.index.drop_pending_writes(pending)
         if r.status_code != 200:
             raise BackendError(f"prefill worker {w.worker_id} error: {r.text[:200]}", 502, "server_error")
         try:
-            return decode_body(r.content, PrefillResponse)
+            ans = decode_body(r.content, PrefillResponse)
         except MalformedBody as e:
             raise BackendError(f"prefill worker {w.worker_id} sent a malformed answer: {e}", 502,
                                "server_error") from None
+        if self.role_window is not None and Role(w.role) in PREFILL_SIDE_ROLES:
+            self.role_window.observe_prefill_done(time.monotonic(), Role(w.role), ans.queue_s or 0.0,
+                                                  time.monotonic() - run.t0)
+        return ans
 
     async def _decode_with_retry(self, run: _Run, pre: _Prefilled) -> AsyncIterator[GenerationChunk]:
         """Decode from ``pre``'s handoff. A failure before the first decoded token is retried:

@@ -22,6 +22,7 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
                    ttft_s: float, num_prompt_tokens: int) -> None:
     """Metrics and cost-model observations of one finished prefill."""
     m.routed.labels(d.request_class, d.pool).inc()
+    m.route_decisions.labels(str(d.reason)).inc()
     m.ttft_s.labels(d.request_class, d.pool).observe(ttft_s)
     if pre.queue_s is not None:
         m.queue_time_s.labels(d.pool).observe(pre.queue_s)
@@ -59,11 +60,17 @@ class RecentRequests:
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def remember(self, request_id: str, d: RouteDecision, pre: PrefillResponse, num_prompt_tokens: int,
-                 ttft_s: float) -> None:
+                 ttft_s: float, raw_wait_s: float = 0.0) -> None:
+        """Record one routed request: the decision (``reason``: why the winner won; ``candidates``:
+        every candidate's estimates, seconds), what the worker reported, TTFT and the
+        read-after-write hold (``raw_wait_s``)."""
         self.records[request_id] = {
             "class": str(d.request_class), "pool": str(d.pool), "prefill_worker": d.prefill_worker,
             "decode_worker": d.decode_worker, "reuse_ratio": d.reuse_ratio, "reasons": list(d.reasons),
-            "load_plan": asdict(d.load_plan),
+            "reason": str(d.reason), "decode_append": d.decode_append, "write_through": d.write_through,
+            "estimated_ttft_s": d.estimated_ttft_s,
+            "candidates": [{**asdict(c), "role": str(c.role)} for c in d.candidates],
+            "raw_wait_s": raw_wait_s, "load_plan": asdict(d.load_plan),
             "cached_tokens_by_tier": {str(t): n for t, n in pre.num_cached_tokens_by_tier.items()},
             "prompt_tokens": num_prompt_tokens, "ttft_s": ttft_s}
         while len(self.records) > self.max_requests:

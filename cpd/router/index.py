@@ -15,12 +15,21 @@ leading run in L1, then the run continuing in its L2 from where L1 stopped, then
 continuing in L3 from where L2 stopped. So a worker with the head in L1 and the tail in L2
 is credited with both, and so are L2 + L3 and L1 + L3.
 
+Read-after-write (issue 11 §5): the dispatcher announces the blocks a prefill is writing
+through to L3 right now (:meth:`PrefixIndex.add_pending_writes`, with the time they are predicted
+visible); :meth:`PrefixIndex.match` reports the run of such blocks continuing the visible L3 run
+(``PrefixMatch.l3_pending`` / ``l3_pending_ready_s``). Bounded: at most
+:data:`MAX_PENDING_WRITES` hashes, each forgotten :data:`PENDING_GRACE_S` after its predicted
+time, when it shows up in L3, or when its prefill fails.
+
 Thread-safety: all public methods take one lock; ``match`` is O(prefix length).
 """
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
+from collections import OrderedDict
 from itertools import accumulate, islice, repeat, takewhile
 from operator import and_
 from typing import Iterable, Sequence
@@ -29,6 +38,9 @@ from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, AllBlocksCleared, Bl
                            KVEventBatch)
 from cpd.policy.routing import PrefixMatch
 from cpd.router.l3_view import ChunkKey, L3View
+
+MAX_PENDING_WRITES = 65536  # block hashes being written through, all prefills together
+PENDING_GRACE_S = 5.0  # a pending block is forgotten this long after its predicted visible time
 
 
 class _TierMasks:
@@ -82,6 +94,7 @@ class PrefixIndex:
         self._l3 = L3View(l3_chunk_blocks)
         self._last_seq: dict[str, int] = {}
         self.num_gaps = 0
+        self._pending: OrderedDict[int, float] = OrderedDict()  # hash -> predicted visible (monotonic s)
 
     # --- updates -----------------------------------------------------------------
     def apply_batch(self, worker_id: str, seq: int, batch: KVEventBatch) -> bool:
@@ -105,6 +118,8 @@ class PrefixIndex:
         if isinstance(ev, BlockStored):
             if ev.medium == MEDIUM_L3:
                 self._l3.stored(ev.block_hashes)
+                for h in ev.block_hashes:  # visible now: no longer pending
+                    self._pending.pop(h, None)
             else:
                 self._tier(ev.medium).add(self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, BlockRemoved):
@@ -171,13 +186,36 @@ class PrefixIndex:
         with self._lock:
             self._l3.observe(block_hashes, present, gone, since)
 
+    def add_pending_writes(self, block_hashes: Iterable[int], ready_at_s: float) -> None:
+        """Blocks a prefill is writing through to L3 now, predicted visible at ``ready_at_s``
+        (``time.monotonic()`` clock). The oldest entries go beyond :data:`MAX_PENDING_WRITES`."""
+        with self._lock:
+            for h in block_hashes:
+                self._pending[h] = ready_at_s
+                self._pending.move_to_end(h)
+            while len(self._pending) > MAX_PENDING_WRITES:
+                self._pending.popitem(last=False)
+
+    def drop_pending_writes(self, block_hashes: Iterable[int]) -> None:
+        """Forget pending blocks (their prefill failed: they will not show up)."""
+        with self._lock:
+            for h in block_hashes:
+                self._pending.pop(h, None)
+
+    def num_pending_writes(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
     # --- queries -----------------------------------------------------------------
-    def match(self, block_hashes: Sequence[int], l3_max_blocks: int | None = None) -> PrefixMatch:
+    def match(self, block_hashes: Sequence[int], l3_max_blocks: int | None = None,
+              now_s: float | None = None) -> PrefixMatch:
         """Per worker, the blocks the engine would load from each tier, in its order
         L1 → L2 → L3 (see :class:`cpd.policy.routing.PrefixMatch`).
         ``l3_max_blocks``: the most leading blocks a worker would load (the engine always
         computes the last prompt token); the L3 match is what the store can serve up to that
-        many blocks, which at chunk granularity can be less than ``min(match, cap)``."""
+        many blocks, which at chunk granularity can be less than ``min(match, cap)``.
+        ``now_s``: ``time.monotonic()`` (default: now), for the pending writes' ready times."""
+        now = time.monotonic() if now_s is None else now_s
         with self._lock:
             ends = self._local_runs(block_hashes)
             l3 = self._l3.leading(block_hashes, l3_max_blocks)
@@ -189,8 +227,28 @@ class PrefixIndex:
                     by_start[start] = self._l3.leading(block_hashes, l3_max_blocks, start=start)
                 if by_start[start] > start:
                     l3_after[w] = by_start[start]
+            pending, ready_s = self._pending_run(block_hashes, l3, l3_max_blocks, now)
         return PrefixMatch(l1={w: a for w, (a, _) in ends.items() if a},
-                           l2={w: b for w, (a, b) in ends.items() if b > a}, l3=l3, l3_after=l3_after)
+                           l2={w: b for w, (a, b) in ends.items() if b > a}, l3=l3, l3_after=l3_after,
+                           l3_pending=pending, l3_pending_ready_s=ready_s)
+
+    def _pending_run(self, block_hashes: Sequence[int], start: int, cap: int | None,
+                     now: float) -> tuple[int, float]:
+        """End of the run of pending blocks from ``start`` (0 if none) and the seconds until the
+        last of them is predicted visible. Expired entries are dropped first (the dict is in
+        insertion order, which is close to ready-time order)."""
+        p = self._pending
+        while p and next(iter(p.values())) + PENDING_GRACE_S < now:
+            p.popitem(last=False)
+        end = len(block_hashes) if cap is None else min(len(block_hashes), max(0, cap))
+        i, ready = start, now
+        while i < end:
+            t = p.get(block_hashes[i])
+            if t is None:
+                break
+            ready = max(ready, t)
+            i += 1
+        return (i, ready - now) if i > start else (0, 0.0)
 
     def _local_runs(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
         """worker id → (end of its L1 run from block 0, end of the L2 run continuing it).

@@ -18,7 +18,8 @@ import os
 import uvicorn
 from fastapi import FastAPI
 
-from cpd.config import Config, ConfigError, build_config, parse_assignments
+from cpd.config import (FLAGS, Config, ConfigError, add_argparse_flags, argparse_overrides, build_config,
+                        parse_assignments, routing_config)
 from cpd.kv.block_hash import Namespace
 from cpd.router.api_keys import ApiKeys
 from cpd.router.app import Router
@@ -46,7 +47,10 @@ def build_router(cfg: Config) -> Router:
     except (OSError, ValueError) as e:
         raise ConfigError(f"auth: {e}") from None
     return Router(workers, Namespace(**r.served.namespace), cfg.model.dir, model_name, r.served.max_model_len,
-                  r.served.kv_bytes_per_token, topology=cfg.deployment.topology, cold_threshold=r.cold_threshold,
+                  r.served.kv_bytes_per_token,
+                  routing=routing_config(cfg),
+                  elastic=r.planner if r.elastic else None, role_window_s=r.role_window_s,
+                  raw_ready_margin_s=r.raw_ready_margin_s,
                   max_in_flight=r.max_in_flight, max_decode_per_worker=r.decode_slots(cfg.engine.max_num_seqs),
                   max_request_body_bytes=r.max_request_body_bytes, api_keys=api_keys,
                   open_paths=tuple(cfg.auth.open_paths), internal_secret=secret, timeouts=timeouts)
@@ -89,10 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=None, help="config file (.toml, .yaml, .json); see cpd config show")
     p.add_argument("--set", dest="set_", action="append", default=[], metavar="SECTION.KEY=VALUE")
     _add_standalone_flags(p)
+    router_flags = [f for f in FLAGS if f.router]
+    add_argparse_flags(p, router_flags)
     a = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
     try:
-        cfg = build_config(a.config, {**_standalone_overrides(a), **parse_assignments(a.set_)})
+        cfg = build_config(a.config, {**_standalone_overrides(a), **argparse_overrides(a, router_flags),
+                                      **parse_assignments(a.set_)})
         if cfg.router.served is None:
             from cpd.router.bootstrap import learn_served
             cfg.router.served = learn_served(cfg, a.served_from, cfg.auth.secret())

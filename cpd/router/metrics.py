@@ -38,14 +38,50 @@ class RouterMetrics:
                                        "Measured (EWMA) prefill rate used by the cost model", registry=r)
         self.in_flight = Gauge("cpd_requests_in_flight", "Requests in flight", registry=r)
         self.index_blocks = Gauge("cpd_index_blocks", "Blocks in the router's prefix index", ["tier"], registry=r)
+        self.route_decisions = Counter("cpd_route_decisions", "Routing decisions by why the winner won "
+                                       "(cpd.policy.routing.DecisionReason)", ["reason"], registry=r)
+        self.admission_rejected = Counter("cpd_admission_rejected", "Requests refused with 429 because every "
+                                          "candidate's predicted TTFT exceeded the admission bound", registry=r)
+        self.predicted_ttft_rejected_s = Histogram("cpd_admission_predicted_ttft_seconds",
+                                                   "Predicted TTFT of requests refused by admission",
+                                                   buckets=_TTFT_BUCKETS, registry=r)
+        self.raw_waits = Counter("cpd_read_after_write_waits", "Dispatches held for blocks being written "
+                                 "through to L3, by outcome (visible: the blocks showed up; timeout: the "
+                                 "bound passed, dispatched anyway)", ["outcome"], registry=r)
+        self.raw_wait_s = Histogram("cpd_read_after_write_wait_seconds", "Time a dispatch was held for pending "
+                                    "L3 blocks", buckets=_TTFT_BUCKETS, registry=r)
+        self.decode_appends = Counter("cpd_decode_appends", "Decode-local appends by outcome (ok, fallback: the "
+                                      "decode worker failed before its first token, rerouted)", ["outcome"],
+                                      registry=r)
+        self.role_changes = Counter("cpd_role_changes", "Worker role changes (elastic roles or reported by the "
+                                    "worker)", ["from_role", "to_role"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_workers(self, workers) -> None:
+        """Export ``cpd_workers{role}`` (usable workers per role) at each scrape, read from the
+        router's :class:`cpd.router.workers.WorkerSet`, and count its role changes."""
+        self.registry.register(WorkersCollector(workers))
+        workers.on_role_change = lambda c: self.role_changes.labels(c["from_role"], c["to_role"]).inc()
 
     def watch_supervisor(self, status_path: str) -> None:
         """Export the deployment supervisor's status file (:mod:`cpd.supervise`) at each scrape:
         ``cpd_process_restarts_total{process,role}`` and ``cpd_process_up{process,role}``."""
         self.registry.register(SupervisorCollector(status_path))
+
+
+class WorkersCollector:
+    """Usable workers per role, read from the worker set at each scrape (never stale)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def collect(self):
+        g = GaugeMetricFamily("cpd_workers", "Usable (healthy, accepted) workers per role", labels=["role"])
+        for role, n in sorted(self.workers.role_counts().items()):
+            g.add_metric([role], float(n))
+        yield g
 
 
 class SupervisorCollector:

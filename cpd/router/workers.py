@@ -8,6 +8,8 @@ each worker's ``GET /load``.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -17,6 +19,8 @@ import msgspec
 from cpd.messages.worker_api import LoadReport, decode_body
 from cpd.policy.routing import WorkerLoad
 from cpd.types import Role
+
+log = logging.getLogger("cpd.router")
 
 
 @dataclass
@@ -36,6 +40,8 @@ class WorkerInfo:
             (:mod:`cpd.router.compat`); only an accepted, healthy worker is routed to.
         refusal_reason: why it is refused (``None`` otherwise).
         boot_id, max_model_len: as its ``GET /info`` last reported them.
+        last_role_change: the last role change the router saw (``{"from_role", "to_role",
+            "reason", "at_unix_s"}``), None if none.
     """
 
     worker_id: str
@@ -52,6 +58,7 @@ class WorkerInfo:
     refusal_reason: str | None = None
     boot_id: str | None = None
     max_model_len: int | None = None
+    last_role_change: dict | None = None
 
     @property
     def usable(self) -> bool:
@@ -82,9 +89,33 @@ class WorkerSet:
         # compatibility check (cpd.router.compat) and whether to run it after this poll
         self.admit: Callable[[WorkerInfo], Awaitable[bool]] | None = None
         self.needs_check: Callable[[WorkerInfo, bool], bool] | None = None
+        self.on_role_change: Callable[[dict], None] | None = None  # callback(change record)
 
     def snapshots(self) -> list[WorkerLoad]:
         return [w.snapshot() for w in self.by_id.values()]
+
+    def set_role(self, worker_id: str, role: Role | str, reason: str) -> dict | None:
+        """Record that ``worker_id`` now serves ``role`` (the worker already changed it): the
+        policy routes by the new role from the next decision on. Returns the change record
+        (None if it already had that role); ``on_role_change`` is called with it."""
+        w = self.by_id[worker_id]
+        if w.role == str(role):
+            return None
+        change = {"from_role": w.role, "to_role": str(role), "reason": reason, "at_unix_s": time.time()}
+        w.role = str(role)
+        w.last_role_change = change
+        log.warning("worker %s role %s -> %s (%s)", worker_id, change["from_role"], change["to_role"], reason)
+        if self.on_role_change is not None:
+            self.on_role_change(change)
+        return change
+
+    def role_counts(self) -> dict[str, int]:
+        """Usable workers per role."""
+        out = {str(r): 0 for r in Role}
+        for w in self.by_id.values():
+            if w.usable:
+                out[w.role] = out.get(w.role, 0) + 1
+        return out
 
     def mark_unhealthy(self, worker_id: str) -> None:
         w = self.by_id[worker_id]
@@ -101,6 +132,8 @@ class WorkerSet:
                 w.last_load = msgspec.to_builtins(load)
                 self._poll_failures[w.worker_id] = 0
                 w.kv_usage = load.kv_usage
+                if str(load.role) != w.role:  # changed at the worker (POST /role): the worker's word wins
+                    self.set_role(w.worker_id, load.role, "reported by the worker")
                 if not load.health.healthy:  # answers, but its engine steps keep failing
                     self.mark_unhealthy(w.worker_id)
                     return

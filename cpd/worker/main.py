@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from cpd.config import FLAGS, Config, ConfigError, Flag, build_config, field_info, parse_assignments
+from cpd.config import FLAGS, Config, ConfigError, argparse_overrides, add_argparse_flags, build_config, parse_assignments
 
 from cpd.worker.runtime import EngineRunner
 from cpd.worker.server import WorkerState, build_app, worker_info
@@ -62,11 +62,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerIdentity, Config]:
                                                          "worker at (default: --host)")
     p.add_argument("--config", default=None, help="config file (.toml, .yaml, .json); see cpd config show")
     p.add_argument("--set", dest="set_", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    for f in FLAGS:
-        if f.worker:
-            _add_flag(p, f)
+    worker_flags = [f for f in FLAGS if f.worker]
+    add_argparse_flags(p, worker_flags)
     a = p.parse_args(argv)
-    overrides = {f.key: getattr(a, _dest(f.key)) for f in FLAGS if f.worker}
+    overrides = argparse_overrides(a, worker_flags)
     try:
         overrides.update(parse_assignments(a.set_))
         cfg = build_config(a.config, overrides)
@@ -77,18 +76,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerIdentity, Config]:
     wid = a.worker_id or f"{a.role}-{socket.gethostname()}-{a.port}"
     return WorkerIdentity(a.role, wid, a.host, a.port, a.events_port or a.port + 1, a.router,
                           a.advertise_host), cfg
-
-
-def _dest(key: str) -> str:
-    return "cfg__" + key.replace(".", "__")
-
-
-def _add_flag(p: argparse.ArgumentParser, f: Flag) -> None:
-    help_text = f"{field_info(f.key)[1]} (key {f.key})".replace("%", "%%")
-    if field_info(f.key)[0] is bool:
-        p.add_argument(*f.names, dest=_dest(f.key), action="store_const", const=True, default=None, help=help_text)
-    else:
-        p.add_argument(*f.names, dest=_dest(f.key), default=None, metavar="VALUE", help=help_text)
 
 
 def _executor(cfg: Config):
@@ -188,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     if me.router_url:
         from cpd.worker.registration import Registrar
         registrar = Registrar(me.router_url, me.registration(), cfg.auth.secret()).start()
+        st.on_role_change.append(registrar.set_role)  # re-registrations report the current role
     try:
         server.run(sockets=[sock])
     finally:

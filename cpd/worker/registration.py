@@ -50,6 +50,11 @@ class Registrar:
             self.num_registrations += 1
         return r.status_code
 
+    def set_role(self, role: str) -> None:
+        """The worker's role changed (``POST /role``): register it now and from then on."""
+        self.registration = {**self.registration, "role": str(role)}
+        threading.Thread(target=self.register_once, name="register-role", daemon=True).start()
+
     def _note(self, status: int | None, detail: str) -> None:
         if status != self.last_status:
             level = logging.INFO if status == 200 else logging.ERROR

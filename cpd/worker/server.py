@@ -14,6 +14,14 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
   bound idle time without knowing how long this worker queues the request. A handle that no
   longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
   sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
+- ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
+  (issue 11 §4): the whole generation on this worker as one full-mode request (cached prefix
+  from L1/L2, the suffix prefilled here, then decoded); streamed like ``/decode`` (heartbeats
+  included); the first line carries the prefix-cache figures. Disconnect aborts.
+- ``POST /role`` (:class:`RoleChangeRequest` → :class:`RoleChangeResponse`): change this
+  worker's role at run time, between pre-prefill and prefill only (409 otherwise); requests
+  in flight finish unchanged (a role only steers the router). Reported by ``/info``, ``/load``
+  and the next registration.
 - ``POST /handoff/release`` (:class:`HandoffRelease`) — frees that staging only.
 - ``GET /info`` (:class:`WorkerInfoReport`), ``GET /load`` (:class:`LoadReport`), ``GET /health``,
   ``GET /kv_snapshot`` (:class:`KvSnapshot`), ``GET /l3_snapshot`` (:class:`L3Snapshot`),
@@ -22,9 +30,10 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import msgspec
@@ -33,12 +42,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
-from cpd.messages.worker_api import (Ack, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot, L3Observation,
-                                     L3Snapshot, LoadReport, MalformedBody, PrefillRequest, PrefillResponse,
-                                     WorkerHealth, WorkerInfoReport, decode_body, encode)
-from cpd.types import BlockHash, Role, Tier
+from cpd.messages.worker_api import (Ack, AppendRequest, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot,
+                                     L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillRequest,
+                                     PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
+                                     WorkerInfoReport, decode_body, encode)
+from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
 from cpd.worker.runtime import EngineRunner
 
+log = logging.getLogger("cpd.worker")
 
 def _reply(msg: Any, status_code: int = 200) -> Response:
     """A typed message as a JSON response."""
@@ -72,6 +83,23 @@ class WorkerState:
         self.model_name = ""
         self._fallbacks_reported: dict[str, int] = {}
         self._transfers_reported: dict[Tier, tuple[int, float]] = {}
+        self.on_role_change: list[Callable[[Role], None]] = []  # e.g. the registrar's (cpd.worker.main)
+
+    def change_role(self, role: Role) -> RoleChangeResponse:
+        """Serve ``role`` from now on (prefill-side roles only).
+
+        Raises:
+            ValueError: a change to or from ``decode`` (the handoff sender/receiver and the L3
+                connector are made for one side at start)."""
+        old = self.role
+        if role != old and (old not in PREFILL_SIDE_ROLES or role not in PREFILL_SIDE_ROLES):
+            raise ValueError(f"cannot change role {old} -> {role}: only pre-prefill <-> prefill")
+        self.role = role
+        if role != old:
+            log.warning("worker %s role %s -> %s", self.worker_id, old, role)
+            for cb in self.on_role_change:
+                cb(role)
+        return RoleChangeResponse(self.worker_id, old, role)
 
     def new_fallbacks(self) -> dict[str, int]:
         """Connector fallbacks (by kind) since the last call — the router sums them, so
@@ -183,6 +211,25 @@ def build_app(st: WorkerState) -> FastAPI:
         except MalformedBody as e:
             return _error(f"bad prefill request: {e}", 400)
         return await _prefill(st, body, request)
+
+    @app.post("/append")
+    async def append(request: Request):
+        try:
+            body = await _read(request, AppendRequest)
+        except MalformedBody as e:
+            return _error(f"bad append request: {e}", 400)
+        return _append(st, body, request)
+
+    @app.post("/role")
+    async def role(request: Request):
+        try:
+            body = await _read(request, RoleChangeRequest)
+        except MalformedBody as e:
+            return _error(f"bad role change: {e}", 400)
+        try:
+            return _reply(st.change_role(body.role))
+        except ValueError as e:
+            return _error(str(e), 409, "role_change_refused")
 
     @app.post("/handoff/release")
     async def release(request: Request):
@@ -334,6 +381,43 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
         return _error(f"bad decode request: {e}", 400)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
+
+
+def _append(st: WorkerState, body: AppendRequest, request: Request) -> Response:
+    """Decode-local append: submit one full-mode request and stream its outputs."""
+    from cpd.engine.engine import EngineRequest
+    rid = body.request_id
+    try:
+        stream = st.runner.submit(EngineRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
+                                                sampling=body.sampling, cache_salt=body.cache_salt, mode="full"))
+    except (TypeError, ValueError) as e:
+        return _error(f"bad append request: {e!r}", 400)
+    return StreamingResponse(_append_stream(st, rid, stream, request), media_type="application/x-ndjson")
+
+
+async def _append_stream(st: WorkerState, rid: str, stream, request: Request):
+    """Relay an append's outputs as NDJSON (heartbeats as in :func:`_decode_stream`); the first
+    line carries the prefix-cache figures. Aborted (blocks freed) if it ends unfinished."""
+    finished, first = False, True
+    try:
+        while not finished:
+            out = await _next_output(stream, request, heartbeat_s=DECODE_HEARTBEAT_S)
+            if out is None:
+                yield b"\n"
+                continue
+            finished = out.finished
+            line = DecodeLine(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason)
+            if first:
+                by_tier = {Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()}
+                line = msgspec.structs.replace(line, num_cached_tokens_by_tier=by_tier, queue_s=out.queue_s)
+                first = False
+            yield encode(line) + b"\n"
+    except RuntimeError as e:
+        yield encode(DecodeLine(error=str(e))) + b"\n"
+    finally:
+        if not finished:
+            st.runner.abort(rid)
+        st.runner.close_stream(rid)
 
 
 async def _release(st: WorkerState, handle: HandoffHandle) -> None:

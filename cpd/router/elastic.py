@@ -1,0 +1,95 @@
+"""Elastic roles, the mechanism (issue 11 §3): every ``interval_s`` the router asks the pure
+planner (:func:`cpd.policy.roles.plan_roles`) whether a prefill-side worker should change role,
+and applies what it answers.
+
+Inputs: a :class:`cpd.policy.role_window.RoleWindow` that the dispatcher feeds
+(``observe_dispatch`` at each prefill dispatch, ``observe_prefill_done`` at each answer) and the
+workers' current load snapshots. A change is applied worker first (``POST /role``, signed like
+every internal call), then in the router's :class:`cpd.router.workers.WorkerSet` (the policy
+routes by the new role from the next decision on). A worker that refuses or cannot be reached
+keeps its role (logged); the planner sees the unchanged role at its next call. Requests already
+on the worker finish unchanged: a role only steers routing, so a change loses no request and
+leaks no block.
+
+Every change is logged, counted (``cpd_role_changes_total{from_role,to_role}``; workers per role:
+``cpd_workers{role}``) and shown in ``/cpd/workers`` (``last_role_change``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from cpd.messages.worker_api import (MalformedBody, RoleChangeRequest, RoleChangeResponse, decode_body,
+                                     encode)
+from cpd.policy.role_window import RoleWindow
+from cpd.policy.roles import PlannerConfig, PlannerState, RoleChange, plan_roles
+from cpd.router.metrics import RouterMetrics
+from cpd.router.workers import WorkerSet
+
+log = logging.getLogger("cpd.router.elastic")
+ROLE_CHANGE_TIMEOUT_S = 5.0
+
+
+class ElasticRoles:
+    """The router's planner loop (one per router; on when ``router.elastic``)."""
+
+    def __init__(self, workers: WorkerSet, window: RoleWindow, cfg: PlannerConfig, metrics: RouterMetrics):
+        self.workers = workers
+        self.window = window
+        self.cfg = cfg
+        self.metrics = metrics
+        self.state = PlannerState()
+        self.num_plans = 0
+        self.last_error: str | None = None
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        """Plan and apply every ``interval_s`` until cancelled. A planner error is logged and
+        the loop goes on (the next window may plan fine)."""
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.plan_once(client)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the loop must survive a bad window
+                if repr(e) != self.last_error:
+                    log.error("elastic roles: planning failed: %r", e)
+                self.last_error = repr(e)
+
+    async def plan_once(self, client: httpx.AsyncClient, now_s: float | None = None) -> list[RoleChange]:
+        """One planning round: observe, plan, apply. Returns the changes applied."""
+        now = time.monotonic() if now_s is None else now_s
+        obs = self.window.observation(now, self.workers.snapshots())
+        changes, self.state = plan_roles(obs, self.state, self.cfg)
+        self.num_plans += 1
+        applied = []
+        for c in changes:
+            if await self.apply(client, c.worker_id, str(c.to_role), f"planner: {c.reason}"):
+                applied.append(c)
+        return applied
+
+    async def apply(self, client: httpx.AsyncClient, worker_id: str, to_role: str, reason: str) -> bool:
+        """Change one worker's role: the worker first, then the router's view. False (logged)
+        if the worker refused or could not be reached."""
+        w = self.workers.by_id.get(worker_id)
+        if w is None:
+            log.error("elastic roles: unknown worker %s", worker_id)
+            return False
+        try:
+            r = await client.post(f"{w.url}/role", content=encode(RoleChangeRequest(to_role)),  # type: ignore[arg-type]
+                                  headers={"content-type": "application/json"}, timeout=ROLE_CHANGE_TIMEOUT_S)
+            if r.status_code != 200:
+                log.error("elastic roles: %s refused %s -> %s: %s", worker_id, w.role, to_role, r.text[:200])
+                return False
+            ans = decode_body(r.content, RoleChangeResponse)
+        except (httpx.HTTPError, MalformedBody) as e:
+            log.error("elastic roles: changing %s to %s failed: %r", worker_id, to_role, e)
+            return False
+        self.workers.set_role(worker_id, ans.to_role, reason)
+        return True
+
+
+__all__ = ["ElasticRoles"]
