@@ -1,0 +1,230 @@
+"""Predict a live torch deployment's TTFT with the calibrated cost model, then measure it.
+
+For each deployment (``pd:PRE:PREFILL:DECODE`` / ``cpd:PRE:PREFILL:DECODE``):
+
+(a) **prediction**: the engine-object simulator (:class:`cpd.sim.engine_sim.EngineSimulator`:
+    real engines with the modeled executor on a virtual clock, the live router's prefix index
+    and ``route``) runs the trace slice with :class:`cpd.costmodel.calibrated.CalibratedCostModel`
+    step times — "SmolLM2 on this CPU" — and the live deployment's engine settings (the
+    ``engine`` / ``kv`` defaults of :mod:`cpd.config`: block size, budgets, L1 blocks, L2 bytes);
+(b) **measurement** (``--live``): ``cpd serve`` with the real model (torch executor, the deploy
+    default of ``cores // workers`` threads, at least 1, per worker), then ``cpd bench``
+    replaying the same slice (same ``ReplayOptions``: same requests, arrivals, prompt lengths
+    and output caps), then the server is stopped;
+
+and reports TTFT p50/p90 of both and the relative error ``(predicted - measured) / measured``.
+Percentiles: :func:`cpd.bench.report.stats` for both sides. The 1-minute load average is
+sampled every 5 s during each live run (other processes on a shared machine slow it down).
+
+What the prediction does *not* model (each makes the live run slower than predicted): CPU
+sharing between worker processes (the simulator gives each worker its own core) and with the
+router, the bench client and anything else running; HTTP / router / event-loop overheads; the
+prefill worker's staging copy of the KV for the handoff (before it answers).
+
+Usage::
+
+    .venv/bin/python benchmarks/predict_live_ttft.py --profile cpd/costmodel/profiles/smollm2-135m-vm-t1.json \\
+        --requests 120 --time-scale 0.3 --max-output-tokens 4 --configs pd:0:1:1,cpd:1:1:1 \\
+        [--live --rounds 1 --port 8047] --out docs/results/calibration/predict.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cpd.bench.report import stats  # noqa: E402
+from cpd.config import Config  # noqa: E402
+from cpd.costmodel.calibrated import CalibratedCostModel  # noqa: E402
+from cpd.engine.scheduler import SchedulerConfig  # noqa: E402
+from cpd.policy.routing import LinearCostModel, RoutingConfig  # noqa: E402
+from cpd.sim.engine_sim import EngineClusterSpec, EngineInstanceSpec, EngineSimulator  # noqa: E402
+from cpd.sim.workload import trace_workload  # noqa: E402
+from cpd.traces import ReplayOptions, read_mooncake  # noqa: E402
+from cpd.types import Topology  # noqa: E402
+
+DEFAULT_TRACE = ROOT.parent / "shared/data/traces/mooncake/conversation_trace.jsonl"
+
+
+def parse_config(s: str) -> tuple[str, int, int, int]:
+    """``"pd:0:1:1"`` → ``("pd", pre-prefill, prefill, decode)``."""
+    topo, pre, pf, dc = s.split(":")
+    if topo not in ("pd", "cpd") or (topo == "pd" and int(pre)):
+        raise ValueError(f"bad config {s!r}: want pd:0:P:D or cpd:PP:P:D")
+    return topo, int(pre), int(pf), int(dc)
+
+
+def replay_options(a: argparse.Namespace) -> ReplayOptions:
+    """The options ``cpd bench`` builds from the same flags (context cap: the model's 8192)."""
+    return ReplayOptions(tokens_per_block=a.tokens_per_hash_id, time_scale=a.time_scale, max_requests=a.requests,
+                         max_output_tokens=a.max_output_tokens, context_len=a.context_len)
+
+
+def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dict[str, Any]:
+    """Simulated TTFT of the slice on one deployment (module docstring, (a))."""
+    topo, pre, pf, dc = parse_config(cfg_s)
+    eng = Config().engine
+    kv = Config().kv
+    bs = eng.block_size
+    sched = SchedulerConfig(max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
+                            max_prefill_chunk_tokens=eng.max_prefill_chunk_tokens, block_size=bs)
+    insts = [EngineInstanceSpec(role, cost, sched, eng.num_blocks, int(kv.host_kv_bytes))
+             for role, n in (("pre-prefill", pre), ("prefill", pf), ("decode", dc)) for _ in range(n)]
+    # what the live router's EWMA converges to: computed tokens / compute time of a typical chunk
+    rate = eng.max_prefill_chunk_tokens / cost.prefill_time_s(eng.max_prefill_chunk_tokens, 0)
+    router_cost = LinearCostModel(kv_bytes_per_token=cost.kv_bytes_per_token, prefill_tokens_per_s=rate,
+                                  l2_bytes_per_s=cost.link_bytes_per_s("L2"), l3_bytes_per_s=cost.link_bytes_per_s("L3"))
+    routing = RoutingConfig(topology=Topology(topo), cold_threshold=Config().router.cold_threshold, block_size=bs)
+    l3_bytes = (1 << 40) if topo == "cpd" else 0  # live: a fresh unlimited file store; pd never writes it
+    cluster = EngineClusterSpec(tuple(insts), routing, router_cost, bs, l3_bytes, a.kv_event_delay_s)
+    reqs = trace_workload(read_mooncake(a.trace), replay_options(a), sim_block_tokens=bs)
+    t = time.perf_counter()
+    sim = EngineSimulator(cluster, reqs).run()
+    wall = time.perf_counter() - t
+    recs = [r for r in sim.rec if r is not None]
+    ttft = [r["ttft_t"] - r["arrival"] for r in recs if r["ttft_t"] is not None]
+    busy = sim.busy_s()
+    span = max((r["done_t"] or 0.0) for r in recs) if recs else 0.0
+    return {"requests": len(reqs), "completed": len(ttft), "ttft_s": stats(ttft),
+            "pools": {p: sum(1 for r in recs if r["pool"] == p) for p in sorted({r["pool"] for r in recs})},
+            "busy_fraction": {w: round(b / max(span, 1e-9), 3) for w, b in busy.items()},
+            "simulated_s": round(span, 2), "wall_s": round(wall, 2),
+            "prompt_tokens": sum(r.prompt_tokens for r in reqs)}
+
+
+class LoadSampler(threading.Thread):
+    """The 1-minute load average every ``every_s`` seconds until stopped."""
+
+    def __init__(self, every_s: float = 5.0):
+        super().__init__(daemon=True)
+        self.every_s, self.samples, self._stop_ev = every_s, [], threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_ev.is_set():
+            self.samples.append(round(os.getloadavg()[0], 2))
+            self._stop_ev.wait(self.every_s)
+
+    def stop(self) -> list[float]:
+        self._stop_ev.set()
+        self.join()
+        return self.samples
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[str, Any]:
+    """One live run (module docstring, (b)); the bench JSON and logs go to ``out_dir``."""
+    topo, pre, pf, dc = parse_config(cfg_s)
+    url = f"http://127.0.0.1:{a.port}"
+    if _healthy(url):
+        raise RuntimeError(f"port {a.port} already serves")
+    cpd = str(ROOT / ".venv/bin/cpd")
+    pools = ["--prefill", str(pf), "--decode", str(dc)] + (["--pre-prefill", str(pre)] if topo == "cpd" else [])
+    serve_cmd = [cpd, "serve", "--topology", topo, *pools, "--port", str(a.port), "--log-dir", str(out_dir / f"{tag}-logs")]
+    bench_out = out_dir / f"{tag}.bench.json"
+    bench_cmd = [cpd, "bench", "--url", url, "--trace", str(a.trace), "--max-requests", str(a.requests),
+                 "--tokens-per-hash-id", str(a.tokens_per_hash_id), "--time-scale", str(a.time_scale),
+                 "--max-output-tokens", str(a.max_output_tokens), "--label", tag, "--out", str(bench_out)]
+    log = open(out_dir / f"{tag}.serve.log", "w")
+    serve = subprocess.Popen(serve_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(url):
+            if serve.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cpd serve did not come up (see {log.name})")
+            time.sleep(1)
+        uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        sampler = LoadSampler()
+        sampler.start()
+        t = time.monotonic()
+        with open(out_dir / f"{tag}.bench.txt", "w") as bl:
+            subprocess.run(bench_cmd, cwd=ROOT, stdout=bl, stderr=subprocess.STDOUT, check=True, timeout=a.bench_timeout_s)
+        bench_s = time.monotonic() - t
+        load = sampler.stop()
+        uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+        log.close()
+    doc = json.loads(bench_out.read_text())
+    s = doc["summary"]
+    return {"ttft_s": s["all"]["ttft"], "errors": s.get("errors"), "requests": s.get("requests"),
+            "bench_wall_s": round(bench_s, 1), "loadavg_1m_samples": load,
+            "loadavg_1m_mean": round(sum(load) / max(1, len(load)), 2), "uptime_before": uptime_before,
+            "uptime_after": uptime_after, "serve_cmd": " ".join(serve_cmd[1:]), "bench_cmd": " ".join(bench_cmd[1:])}
+
+
+def rel_err(pred: float | None, meas: float | None) -> float | None:
+    return None if pred is None or not meas else round((pred - meas) / meas, 4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--tokens-per-hash-id", type=int, default=16)
+    ap.add_argument("--time-scale", type=float, default=0.3)
+    ap.add_argument("--max-output-tokens", type=int, default=4)
+    ap.add_argument("--context-len", type=int, default=8192, help="cpd bench's cap (the model card's max_model_len)")
+    ap.add_argument("--kv-event-delay-s", type=float, default=0.02)
+    ap.add_argument("--configs", default="pd:0:1:1,cpd:1:1:1")
+    ap.add_argument("--live", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="live runs per config (interleaved: A B A B ...)")
+    ap.add_argument("--port", type=int, default=8047)
+    ap.add_argument("--bench-timeout-s", type=float, default=900)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    cost = CalibratedCostModel.load(a.profile)
+    configs = a.configs.split(",")
+    out_dir = a.out.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"profile": a.profile, "machine": cost.profile.get("machine"),
+                           "slice": {"trace": str(a.trace), **{k: getattr(a, k) for k in (
+                               "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len")}},
+                           "configs": {}}
+    for c in configs:
+        res["configs"][c] = {"predicted": predict(cost, c, a), "measured": []}
+        p = res["configs"][c]["predicted"]
+        print(f"{c}: predicted TTFT p50 {p['ttft_s']['p50']:.3f} s p90 {p['ttft_s']['p90']:.3f} s "
+              f"busy {p['busy_fraction']} (sim wall {p['wall_s']} s)", flush=True)
+    if a.live:
+        for rnd in range(a.rounds):
+            for c in configs:
+                tag = f"{c.replace(':', '-')}-r{rnd + 1}"
+                m = measure(c, a, out_dir, tag)
+                res["configs"][c]["measured"].append(m)
+                print(f"{c} round {rnd + 1}: measured TTFT p50 {m['ttft_s']['p50']:.3f} s p90 "
+                      f"{m['ttft_s']['p90']:.3f} s, load {m['loadavg_1m_mean']}", flush=True)
+                a.out.write_text(json.dumps(res, indent=1) + "\n")
+    for c, r in res["configs"].items():
+        p = r["predicted"]["ttft_s"]
+        r["error"] = [{"p50": rel_err(p["p50"], m["ttft_s"]["p50"]), "p90": rel_err(p["p90"], m["ttft_s"]["p90"])}
+                      for m in r["measured"]]
+        print(f"{c}: error per round {r['error']}")
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
