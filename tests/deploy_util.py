@@ -25,13 +25,14 @@ START_KEYS = {"topology": "deployment.topology", "num_pre_prefill": "deployment.
 def start(model_dir: str, topology: str = "cpd", kv_store: str = "", **kw) -> Deployment:
     """A started deployment of ``model_dir`` with test-sized pools (256 L1 blocks, 16 MiB L2, one
     torch thread, a free router port, no supervision unless asked). Keywords: :data:`START_KEYS`,
-    plus ``extra_env``, ``worker_extra_args`` and ``internal_secret`` (given to every child as
-    ``$CPD_INTERNAL_SECRET``)."""
+    plus ``extra_env``, ``worker_extra_args``, ``internal_secret`` (given to every child as
+    ``$CPD_INTERNAL_SECRET``) and ``settings`` (any other keys, dotted: ``{"router.routing_mode":
+    "adaptive"}``)."""
     settings = {"topology": topology, "kv_store": kv_store, "num_blocks": 256, "host_kv_bytes": 16 << 20,
                 "torch_threads": 1, "supervise": False}
     settings.update({k: kw.pop(k) for k in list(kw) if k in START_KEYS})
     overrides = {START_KEYS[k]: v for k, v in settings.items()}
-    overrides.update({"model.dir": str(model_dir), "router.port": 0})
+    overrides.update({"model.dir": str(model_dir), "router.port": 0, **kw.pop("settings", {})})
     extra_env = dict(kw.pop("extra_env", {}))
     if kw.get("internal_secret"):
         extra_env["CPD_INTERNAL_SECRET"] = kw.pop("internal_secret")
