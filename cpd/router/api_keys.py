@@ -33,7 +33,7 @@ from cpd.router.protocol import GenerationBackend, GenerationChunk, GenerationRe
 log = logging.getLogger("cpd.router.auth")
 
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
-SELF_AUTHENTICATED_PATHS = ("/cpd/register",)  # signed with the internal secret instead
+SELF_AUTHENTICATED_PATHS = ("/cpd/register", "/cpd/role")  # signed with the internal secret instead
 
 current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("cpd_tenant", default=None)
 

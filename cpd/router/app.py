@@ -16,19 +16,20 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cpd.auth import client_auth
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
-from cpd.messages.worker_api import KvSnapshot, L3Snapshot, decode_body
+from cpd.messages.worker_api import KvSnapshot, L3Snapshot, MalformedBody, decode_body
 from cpd.policy.roles import PlannerConfig
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router import compat, registration
 from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend
 from cpd.router.dispatch import CPDBackend, DispatchTimeouts
-from cpd.router.elastic import ElasticRoles
+from cpd.router.elastic import ElasticRoles, RoleAssignment, apply_role_change
+from cpd.router.errors import error_response
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
@@ -228,6 +229,23 @@ class Router:
         @app.get("/cpd/index")
         async def index():
             return router.index.sizes()
+
+        @app.post("/cpd/role", include_in_schema=False)
+        async def change_role(request: Request):
+            """Force a worker's role (signed like /cpd/register): worker first, then the router."""
+            body = await request.body()
+            refused = registration.check_signature(request, body, router.internal_secret, None, "a role change")
+            if refused is not None:
+                return refused
+            try:
+                a = decode_body(body, RoleAssignment)
+            except MalformedBody as e:
+                return error_response(400, f"bad role change: {e}", code="invalid_role_change")
+            ok, msg = await apply_role_change(router._http(), router.workers, a.worker_id, str(a.role),
+                                              "forced via POST /cpd/role")
+            if not ok:
+                return error_response(409, msg, code="role_change_refused")
+            return {"worker_id": a.worker_id, "role": router.workers.by_id[a.worker_id].role, "result": msg}
 
         _replace_health(app, router)
         registration.install(app, router, router.internal_secret)  # POST /cpd/register (cpd worker --router)

@@ -11,6 +11,10 @@ keeps its role (logged); the planner sees the unchanged role at its next call. R
 on the worker finish unchanged: a role only steers routing, so a change loses no request and
 leaks no block.
 
+``POST /cpd/role`` (:class:`RoleAssignment`; signed with the internal secret like
+``/cpd/register``) forces a change through the same path (operators, tests); it works with
+``router.elastic`` off too.
+
 Every change is logged, counted (``cpd_role_changes_total{from_role,to_role}``; workers per role:
 ``cpd_workers{role}``) and shown in ``/cpd/workers`` (``last_role_change``).
 """
@@ -21,6 +25,7 @@ import logging
 import time
 
 import httpx
+import msgspec
 
 from cpd.messages.worker_api import (MalformedBody, RoleChangeRequest, RoleChangeResponse, decode_body,
                                      encode)
@@ -28,6 +33,7 @@ from cpd.policy.role_window import RoleWindow
 from cpd.policy.roles import PlannerConfig, PlannerState, RoleChange, plan_roles
 from cpd.router.metrics import RouterMetrics
 from cpd.router.workers import WorkerSet
+from cpd.types import Role
 
 log = logging.getLogger("cpd.router.elastic")
 ROLE_CHANGE_TIMEOUT_S = 5.0
@@ -72,24 +78,38 @@ class ElasticRoles:
         return applied
 
     async def apply(self, client: httpx.AsyncClient, worker_id: str, to_role: str, reason: str) -> bool:
-        """Change one worker's role: the worker first, then the router's view. False (logged)
-        if the worker refused or could not be reached."""
-        w = self.workers.by_id.get(worker_id)
-        if w is None:
-            log.error("elastic roles: unknown worker %s", worker_id)
-            return False
-        try:
-            r = await client.post(f"{w.url}/role", content=encode(RoleChangeRequest(to_role)),  # type: ignore[arg-type]
-                                  headers={"content-type": "application/json"}, timeout=ROLE_CHANGE_TIMEOUT_S)
-            if r.status_code != 200:
-                log.error("elastic roles: %s refused %s -> %s: %s", worker_id, w.role, to_role, r.text[:200])
-                return False
-            ans = decode_body(r.content, RoleChangeResponse)
-        except (httpx.HTTPError, MalformedBody) as e:
-            log.error("elastic roles: changing %s to %s failed: %r", worker_id, to_role, e)
-            return False
-        self.workers.set_role(worker_id, ans.to_role, reason)
-        return True
+        return (await apply_role_change(client, self.workers, worker_id, to_role, reason))[0]
 
 
-__all__ = ["ElasticRoles"]
+class RoleAssignment(msgspec.Struct, frozen=True):
+    """Body of the router's ``POST /cpd/role``: give ``worker_id`` the role ``role``."""
+
+    worker_id: str
+    role: Role
+
+
+async def apply_role_change(client: httpx.AsyncClient, workers: WorkerSet, worker_id: str, to_role: str,
+                            reason: str) -> tuple[bool, str]:
+    """Change one worker's role: the worker first (``POST /role``), then the router's view.
+    Returns (done, what happened); not done (logged) if the worker is unknown, refused, or could
+    not be reached."""
+    w = workers.by_id.get(worker_id)
+    if w is None:
+        return False, f"unknown worker {worker_id}"
+    try:
+        r = await client.post(f"{w.url}/role", content=encode(RoleChangeRequest(Role(to_role))),
+                              headers={"content-type": "application/json"}, timeout=ROLE_CHANGE_TIMEOUT_S)
+        if r.status_code != 200:
+            msg = f"{worker_id} refused {w.role} -> {to_role}: {r.text[:200]}"
+            log.error("role change: %s", msg)
+            return False, msg
+        ans = decode_body(r.content, RoleChangeResponse)
+    except (httpx.HTTPError, MalformedBody) as e:
+        msg = f"changing {worker_id} to {to_role} failed: {e!r}"
+        log.error("role change: %s", msg)
+        return False, msg
+    change = workers.set_role(worker_id, ans.to_role, reason)
+    return True, "changed" if change is not None else f"already {ans.to_role}"
+
+
+__all__ = ["ElasticRoles", "RoleAssignment", "apply_role_change"]

@@ -117,10 +117,25 @@ def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> Wo
     return w
 
 
+def check_signature(request: Request, body: bytes, secret: bytes | None, max_skew_s: float | None,
+                    what: str) -> JSONResponse | None:
+    """None if ``request`` may go on (signed with the internal secret, or no secret is set);
+    else the 401/403 answer (logged). For the router's self-authenticated internal routes."""
+    from cpd.auth import DEFAULT_MAX_SKEW_S, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+    if not secret:
+        return None
+    bad = verify(secret, "POST", request.url.path, body, request.headers.get(TIMESTAMP_HEADER),
+                 request.headers.get(SIGNATURE_HEADER), time.time(), max_skew_s or DEFAULT_MAX_SKEW_S)
+    if bad is None:
+        return None
+    client = request.client.host if request.client else "?"
+    log.error("refused %s from %s: %s", what, client, bad[1])
+    return _error(bad[0], bad[1], "missing_signature" if bad[0] == 401 else "invalid_signature")
+
+
 def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: float | None = None,
             max_per_s: float = DEFAULT_MAX_PER_S) -> None:
     """Add ``POST /cpd/register`` to the router's app (signed when ``secret`` is set)."""
-    from cpd.auth import DEFAULT_MAX_SKEW_S, SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
     bucket = app.state.registration_bucket = TokenBucket(max_per_s, 2 * max_per_s)
 
     @app.post("/cpd/register", include_in_schema=False)
@@ -130,13 +145,9 @@ def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: fl
             r.headers["Retry-After"] = "1"
             return r
         body = await request.body()
-        if secret:
-            bad = verify(secret, "POST", request.url.path, body, request.headers.get(TIMESTAMP_HEADER),
-                         request.headers.get(SIGNATURE_HEADER), time.time(), max_skew_s or DEFAULT_MAX_SKEW_S)
-            if bad is not None:
-                client = request.client.host if request.client else "?"
-                log.error("refused a registration from %s: %s", client, bad[1])
-                return _error(bad[0], bad[1], "missing_signature" if bad[0] == 401 else "invalid_signature")
+        refused = check_signature(request, body, secret, max_skew_s, "a registration")
+        if refused is not None:
+            return refused
         try:
             reg = Registration.model_validate_json(body)
         except ValidationError as e:
@@ -145,4 +156,4 @@ def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: fl
         return await register(router, reg)
 
 
-__all__ = ["Registration", "TokenBucket", "register", "install", "DEFAULT_MAX_WORKERS", "DEFAULT_MAX_PER_S"]
+__all__ = ["Registration", "TokenBucket", "register", "install", "check_signature", "DEFAULT_MAX_WORKERS", "DEFAULT_MAX_PER_S"]
