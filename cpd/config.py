@@ -235,6 +235,13 @@ class Config(Section):
     deployment: DeploymentSection = Field(default_factory=DeploymentSection)
     auth: AuthSection = Field(default_factory=AuthSection)
 
+    @model_validator(mode="after")
+    def _elastic_needs_cpd(self) -> "Config":
+        if self.router.elastic and self.deployment.topology != "cpd":
+            raise ValueError("router.elastic moves workers between the pre-prefill and prefill pools: it needs "
+                             "deployment.topology = cpd (or leave --elastic off)")
+        return self
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names each bad key and the fix."""
@@ -449,8 +456,8 @@ def _explain_one(key: str, e: Mapping[str, Any], path: str | Path | None) -> str
     if e["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
         return f"  {key}: unknown key{_did_you_mean(key)}; remove it"
     msg = str(e["msg"]).removeprefix("Value error, ")
-    if "." not in key:  # a rule over several keys of one section: the message says the fix
-        return f"  {key}: {msg}"
+    if "." not in key:  # a rule over several keys (of one section, or of the tree): the message says the fix
+        return f"  {key}: {msg}" if key else f"  {msg}"
     where = f"[{key.split('.')[0]}] in {path}" if path else "a config file"
     flag = flag_for(key)
     fix = f"set it in {where}" + (f" or with {flag}" if flag else "") + f" or --set {key}=VALUE"

@@ -10,6 +10,7 @@ always hash blocks identically and hold every admitted request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -225,6 +226,15 @@ class Router:
         async def recent_requests():
             """Routing records of the last 1000 requests (class, pool, workers, cached tokens per tier)."""
             return dict(router.backend.recent)
+
+        @app.get("/cpd/elastic")
+        async def elastic():
+            """Elastic roles: on or off, planner settings, rounds planned, last planning error."""
+            e = router.elastic
+            if e is None:
+                return {"enabled": False}
+            return {"enabled": True, "planner": dataclasses.asdict(e.cfg), "num_plans": e.num_plans,
+                    "last_error": e.last_error, "last_change_s": dict(e.state.last_change_s)}
 
         @app.get("/cpd/index")
         async def index():
