@@ -51,7 +51,8 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
                capacity_bytes: int | None = None, watch_evictions: bool | None = None) -> KVStore:
     """Open a store from a URL.
 
-    URLs: ``file:///dev/shm/cpd-kv`` (or ``file://relative/dir``), ``redis://host:port[/db]``
+    URLs: ``file:///dev/shm/cpd-kv`` (or ``file://relative/dir``), ``mem://NAME`` (this
+    process's memory, :mod:`cpd.store.mem_store`), ``redis://host:port[/db]``
     (standalone) and ``redis+cluster://host:port[,host:port...]`` (Redis Cluster; the listed
     nodes are seeds, the rest is discovered; also ``redis://host:port?cluster=1``).
 
@@ -99,6 +100,10 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
             cap = machine_default_capacity_bytes(root)
         return FileStore(root, chunk_blocks=cb, event_sink=event_sink, stale_timeout_s=st,
                          capacity_bytes=cap, evict_interval_s=float(q.get("evict_interval_s", 5.0)))
+    if u.scheme == "mem":  # process-local (cpd.store.mem_store): the simulator, single-process setups
+        from cpd.store.mem_store import MemStore
+        return MemStore(u.netloc + u.path or "default", chunk_blocks=cb, event_sink=event_sink,
+                        stale_timeout_s=st, capacity_bytes=cap or 0)
     if u.scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         to = timeout_s if timeout_s is not None else float(q.get("timeout_s", 0.5))
         we = watch_evictions if watch_evictions is not None else q.get("watch_evictions", "0").lower() in _TRUE

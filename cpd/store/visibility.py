@@ -41,6 +41,12 @@ from cpd.store.chunk_keys import ChunkKey
 EventSink = Callable[[KVCacheEvent], None]
 
 
+def _int_list(token_ids: Sequence[int]) -> list[int]:
+    """A list of ints for an event: a ``list`` as given (callers pass fresh slices of int
+    lists), any other sequence converted."""
+    return token_ids if type(token_ids) is list else [int(t) for t in token_ids]
+
+
 class ChunkState(enum.Enum):
     ALLOCATED = "allocated"
     WRITING = "writing"
@@ -88,7 +94,7 @@ class Visibility:
         """SEALED -> VISIBLE: ``BlockStored`` for ONE chunk (hashes in chain order)."""
         self._emit(BlockStored(block_hashes=[int(h) for h in hashes],
                                parent_block_hash=None if parent is None else int(parent),
-                               token_ids=[] if token_ids is None else [int(t) for t in token_ids],
+                               token_ids=[] if token_ids is None else _int_list(token_ids),
                                block_size=int(block_size), medium=MEDIUM_L3))
 
     def reannounce(self, keys: Iterable[ChunkKey], hs: list[int], parent_block_hash: int | None,

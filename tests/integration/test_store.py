@@ -32,13 +32,16 @@ def hashes(n, base=1000):
     return [base + i for i in range(n)]
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "mem"])
 def make_store(request, tmp_path):
     """Factory: make_store(chunk_blocks=1, **kw) -> (store, events list)."""
     made = []
     if request.param == "redis":
         srv = request.getfixturevalue("redis_server")
         base = srv.url
+    elif request.param == "mem":
+        srv = None
+        base = f"mem://{tmp_path.name}"
     else:
         srv = None
         base = f"file://{tmp_path / 'kv'}"
@@ -161,6 +164,8 @@ def _run_and_kill(code, *args):
 
 def test_writer_killed_mid_write_never_visible_and_reclaimed(make_store):
     s, _ = make_store(1, stale_timeout_s=0.3)
+    if s.backend == "mem":
+        pytest.skip("mem:// is process-local: no other process writes to it")
     url = s.url if s.backend == "file" else s.server.url
     _run_and_kill(_WRITER, url, "0.3")
     assert s.lookup_prefix([7]) == 0 and s.get_blocks([7]) is None
@@ -196,8 +201,16 @@ import time; time.sleep(60)
     s.close()
 
 
+def _flip_mem(s, key, pos_frac=0.5):
+    raw, hs = s._sp.chunks[key]
+    pos = int(len(raw) * pos_frac)
+    s._sp.chunks[key] = (raw[:pos] + bytes([raw[pos] ^ 0xFF]) + raw[pos + 1:], hs)
+
+
 def _corrupt(s, key_hash, n, pos_frac=0.5):
-    if s.backend == "file":
+    if s.backend == "mem":
+        _flip_mem(s, (key_hash, n), pos_frac)
+    elif s.backend == "file":
         p = os.path.join(s.root, f"{key_hash:016x}.{n}.kv")
         size = os.path.getsize(p)
         with open(p, "r+b") as f:
@@ -389,7 +402,9 @@ def test_reads_report_exactly_what_is_present_and_gone(make_store):
     hs, blocks = hashes(12), rand_blocks(12)
     s.put_blocks(hs, blocks)
     key = (hs[7], 4)
-    if s.backend == "file":
+    if s.backend == "mem":
+        _flip_mem(s, key)
+    elif s.backend == "file":
         p = s._path(key)
         raw = bytearray(open(p, "rb").read())
         raw[len(raw) // 2] ^= 0xFF

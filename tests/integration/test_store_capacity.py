@@ -26,10 +26,12 @@ def removed(ev):
     return [e for e in ev if isinstance(e, BlockRemoved)]
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "mem"])
 def base_url(request, tmp_path):
     if request.param == "redis":
         return request.getfixturevalue("redis_server").url
+    if request.param == "mem":
+        return f"mem://{tmp_path.name}"
     return f"file://{tmp_path / 'kv'}"
 
 
