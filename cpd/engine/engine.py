@@ -247,7 +247,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public API (thread-safe)
     def _validate(self, rid: str, tokens: Sequence[int], sampling: SamplingParams) -> list[int]:
-        toks = [int(t) for t in tokens]
+        toks = list(map(int, tokens))
         if not toks:
             raise ValueError("prompt_token_ids must not be empty")
         if min(toks) < 0 or max(toks) >= self.vocab_size:

@@ -74,6 +74,8 @@ class HostPool:
 
         Already present → only refreshed to most-recently-used. Evicts the LRU entry
         when full (emitting ``BlockRemoved``). Returns True if the block is held afterwards.
+        A ``list`` of ``token_ids`` goes into the event as given (ints, not mutated later by
+        the caller); any other sequence is converted to a list of ints.
         """
         if not self.enabled:
             return False
@@ -90,7 +92,8 @@ class HostPool:
         self._lru[block_hash] = slot
         self.num_stores += 1
         self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
-                               token_ids=[int(t) for t in token_ids], block_size=self.block_shape[2],
+                               token_ids=token_ids if type(token_ids) is list else [int(t) for t in token_ids],
+                               block_size=self.block_shape[2],
                                medium=MEDIUM_L2))
         return True
 

@@ -116,11 +116,13 @@ class KVPool:
         """Publish a full, computed, in-use block under ``block_hash``.
 
         Returns False (and changes nothing) if the block already has a hash or another
-        block already caches this hash (duplicate computation)."""
+        block already caches this hash (duplicate computation). A ``list`` of ``token_ids``
+        is kept as given (the engine passes a fresh slice of ints; no per-token copy); any
+        other sequence is converted to a list of ints."""
         if self.block_hash[block] is not None or block_hash in self.cached:
             return False
         self.block_hash[block] = block_hash
-        toks = [int(t) for t in token_ids]
+        toks = token_ids if type(token_ids) is list else [int(t) for t in token_ids]
         self._meta[block] = (parent_hash, toks)
         self.cached[block_hash] = block
         self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash, token_ids=toks,
