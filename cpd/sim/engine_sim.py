@@ -10,17 +10,16 @@ virtual clock. The router side is the live one too: the request's block hashes
 fed with each engine's real KV events ``kv_event_delay_s`` after the step that produced them,
 the live :func:`cpd.policy.routing.route`, and the live dispatch's load accounting
 (queued prefill tokens and ``queued_prefill_s`` added at dispatch, removed when the first
-token returns). L3 is the real file store behind the real :class:`L3Connector`.
+token returns). L3 is the real in-memory store (``mem://``, :mod:`cpd.store.mem_store`) behind
+the real :class:`L3Connector`.
 
 Deterministic: one heap ordered by ``(time, insertion counter)``, no wall clock, no threads;
 tokens are derived from the trace's block ids (:func:`block_tokens`).
 """
 from __future__ import annotations
 
+import gc
 import heapq
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,7 +27,7 @@ import numpy as np
 
 from cpd.engine.engine import Engine, EngineRequest, SamplingParams
 from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
-from cpd.engine.scheduler import SchedulerConfig
+from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
@@ -56,29 +55,38 @@ class VirtualClock:
         return s
 
 
-def block_tokens(block_id: int, block_size: int, vocab_size: int = VOCAB) -> list[int]:
-    """The deterministic token ids of one trace block (splitmix64 of ``(block_id, position)``,
-    in ``[1, vocab_size)``; a different run per block id)."""
+def blocks_tokens(block_ids: Sequence[int], block_size: int, vocab_size: int = VOCAB) -> list[list[int]]:
+    """The deterministic token ids of trace blocks, one list per block id: splitmix64 of
+    ``(block_id, position)`` in ``[1, vocab_size)`` (a different run per block id)."""
+    ids = np.array([b & 0xFFFFFFFFFFFFFFFF for b in block_ids], dtype=np.uint64).reshape(-1, 1)
     with np.errstate(over="ignore"):
-        x = np.uint64(block_id & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x9E3779B97F4A7C15) \
+        x = ids * np.uint64(0x9E3779B97F4A7C15) \
             + np.arange(1, block_size + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
-    return (1 + x % np.uint64(vocab_size - 1)).tolist()
+    out: list[list[int]] = (1 + x % np.uint64(vocab_size - 1)).tolist()
+    return out
+
+
+def block_tokens(block_id: int, block_size: int, vocab_size: int = VOCAB) -> list[int]:
+    """The token ids of one trace block (see :func:`blocks_tokens`)."""
+    return blocks_tokens([block_id], block_size, vocab_size)[0]
 
 
 def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]], vocab_size: int = VOCAB) -> list[int]:
-    """The prompt token ids of ``r``: its blocks' tokens, cut to ``prompt_tokens``."""
+    """The prompt token ids of ``r``: its blocks' tokens, cut to ``prompt_tokens`` (block token
+    lists are computed once per block id and kept in ``cache``)."""
+    need = blocks_for(r.prompt_tokens, block_size)
+    blocks = r.blocks[:need]
+    missing = [b for b in dict.fromkeys(blocks) if b not in cache]
+    if missing:
+        cache.update(zip(missing, blocks_tokens(missing, block_size, vocab_size)))
     toks: list[int] = []
-    for b in r.blocks:
-        t = cache.get(b)
-        if t is None:
-            t = cache[b] = block_tokens(b, block_size, vocab_size)
-        toks.extend(t)
-        if len(toks) >= r.prompt_tokens:
-            break
-    return toks[:r.prompt_tokens]
+    for b in blocks:
+        toks.extend(cache[b])
+    del toks[r.prompt_tokens:]
+    return toks
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ class EngineSimulator:
         self._n = 0
         self.stop_s = stop_s
         self.vocab_size = vocab_size
-        self._tmp = tempfile.mkdtemp(prefix="cpd-sim-l3-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._store_name = f"cpd-sim-{id(self):x}"  # process-local L3 (cpd.store.mem_store)
         self.index = PrefixIndex()
         self.insts: list[_Inst] = []
         counts: dict[str, int] = {}
@@ -191,7 +199,7 @@ class EngineSimulator:
         if self.c.l3_bytes and spec.role != DECODE:
             from cpd.store import open_store
             from cpd.store.connector import L3Connector
-            store = open_store(f"file://{self._tmp}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
+            store = open_store(f"mem://{self._store_name}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
             # synchronous writes: deterministic (the live connector writes in a background thread;
             # here a written block is visible at the end of the step that computed it)
             connector = L3Connector(store, event_sink=sink, write_async=False)
@@ -202,7 +210,8 @@ class EngineSimulator:
         return w
 
     def close(self) -> None:
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        from cpd.store.mem_store import drop_space
+        drop_space(self._store_name)
 
     # -- event queue -------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> None:
@@ -210,6 +219,10 @@ class EngineSimulator:
         heapq.heappush(self._q, (t, self._n, fn, args))
 
     def run(self) -> "EngineSimulator":
+        # The engine objects allocate millions of small lists (token ids, events) that live
+        # long; the cyclic GC would rescan them over and over. Nothing in a run depends on it.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             while self._q:
                 t, _, fn, args = heapq.heappop(self._q)
@@ -221,6 +234,8 @@ class EngineSimulator:
                 self.events_run += 1
         finally:
             self.close()
+            if gc_was_enabled:
+                gc.enable()
         return self
 
     # -- router ------------------------------------------------------------------------
