@@ -31,10 +31,10 @@ from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
-from cpd.policy.routing import RoutingConfig, WorkerLoad, route
+from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route
 from cpd.router.index import PrefixIndex
 from cpd.sim.workload import SimRequest
-from cpd.types import Role
+from cpd.types import PREFILL_SIDE_ROLES, Role
 
 VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
@@ -108,6 +108,8 @@ class EngineClusterSpec:
     block_size: int = 512
     l3_bytes: int = 0  # modeled L3 capacity; 0 = no L3
     kv_event_delay_s: float = 0.05
+    raw_ready_margin_s: float = 0.05  # pending L3 writes: predicted visible this long after the prefill
+    elastic: Any = None  # a cpd.policy.roles.PlannerConfig: call plan_roles every interval_s (None: fixed roles)
 
 
 @dataclass
@@ -129,7 +131,14 @@ class EngineSimulator:
     """Run a workload on engine instances (see module docstring).
 
     Records per request (``rec[i]`` dict): ``arrival``, ``cls``, ``pool``, ``worker``, ``decode``,
-    ``l1``/``l2``/``l3`` (prompt tokens loaded per tier), ``ttft_t``, ``done_t``.
+    ``est_s`` (the router's own-work estimate), ``l1``/``l2``/``l3`` (prompt tokens loaded per
+    tier), ``ttft_t``, ``done_t``; ``rejected`` (SLO-predictive admission said no: no times).
+    Decode-local appends (``pool == "decode"``) run prefill and decode on the decode worker.
+
+    Elastic roles (``cluster.elastic``): every ``interval_s`` of virtual time the live planner
+    :func:`cpd.policy.roles.plan_roles` gets a :class:`cpd.policy.role_window.RoleWindow`
+    observation (fed here exactly as the live dispatch feeds it) and its role changes are
+    applied to the instances at once (``role_changes`` lists them with their times).
     """
 
     def __init__(self, cluster: EngineClusterSpec, requests: Sequence[SimRequest], stop_s: float | None = None,
@@ -158,6 +167,15 @@ class EngineSimulator:
         self._tokens: dict[int, list[int]] = {}
         self._parked: dict[int, list[int]] = {}
         self.events_run = 0
+        self.rejected = 0
+        self.role_changes: list[dict[str, Any]] = []
+        self.role_window = None
+        if cluster.elastic is not None:
+            from cpd.policy.role_window import RoleWindow
+            from cpd.policy.roles import PlannerState
+            self.role_window = RoleWindow(ttft_slo_s=cluster.routing.ttft_slo_s)
+            self._planner_state = PlannerState()
+            self.at(cluster.elastic.interval_s, self._plan_roles)
         self._prewarm(prewarm)
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
@@ -250,23 +268,57 @@ class EngineSimulator:
         r = self.reqs[i]
         toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
         hashes = hash_blocks(toks, self.namespace)
-        match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs)
-        d = route(len(toks), match, self._loads(), self.c.routing, self.c.router_cost)
+        match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs, now_s=now)
+        try:
+            d = route(len(toks), match, self._loads(), self.c.routing, self.c.router_cost)
+        except Overloaded:
+            self.rejected += 1
+            self.rec[i] = {"arrival": now, "cls": None, "pool": None, "worker": None, "decode": None, "est_s": 0.0,
+                           "ttft_t": None, "done_t": None, "rejected": True}
+            self._release(now, i)  # a closed-loop session goes on (the client got its 429)
+            return
         w = self.by_id[d.prefill_worker]
-        rc = getattr(d, "recompute", None)  # the load-vs-recompute outcome, as the live dispatch reads it
+        rc = d.recompute  # the load-vs-recompute outcome, as the live dispatch reads it
         recompute_l3 = rc is not None and rc.tier == "L3"
-        cached = d.load_plan.num_cached_blocks * self.bs
+        cached_blocks = d.load_plan.num_cached_blocks
+        cached = cached_blocks * self.bs
         est_s = self.c.router_cost.prefill_time_s(len(toks) - cached, cached)
+        if d.write_through and hashes[cached_blocks:]:
+            self.index.add_pending_writes(hashes[cached_blocks:], now + d.estimated_ttft_s + self.c.raw_ready_margin_s)
+        if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
+            self.role_window.observe_dispatch(now, d, est_s)
         w.queued_prefill_tokens += len(toks)
         w.queued_prefill_s += est_s
         w.running_requests += 1
         self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,
                        "decode": d.decode_worker, "est_s": est_s, "ttft_t": None, "done_t": None}
-        w.engine.add_request(EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
-                                           mode="prefill",
-                                           max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
-                                           write_through=d.write_through))
+        req = EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                            mode="full" if d.decode_append else "prefill",
+                            max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
+                            write_through=d.write_through)
+        if d.wait_for_l3_s > 0:  # read-after-write: the dispatch holds for the pending L3 blocks
+            self.at(now + d.wait_for_l3_s, self._submit, w, req)
+        else:
+            self._submit(now, w, req)
+
+    def _submit(self, now: float, w: _Inst, req: EngineRequest) -> None:
+        w.engine.add_request(req)
         self._kick(now, w)
+
+    def _plan_roles(self, now: float) -> None:
+        """One elastic-roles round (see class docstring)."""
+        from cpd.policy.roles import plan_roles
+        assert self.role_window is not None and self.c.elastic is not None
+        obs = self.role_window.observation(now, self._loads())
+        changes, self._planner_state = plan_roles(obs, self._planner_state, self.c.elastic)
+        for ch in changes:
+            w = self.by_id[ch.worker_id]
+            if w.role != ch.from_role or w.role == DECODE or ch.to_role == DECODE:
+                raise RuntimeError(f"planner asked for an impossible role change {ch}")
+            w.role = Role(ch.to_role)
+            self.role_changes.append({"t": now, "worker": ch.worker_id, "from": str(ch.from_role),
+                                      "to": str(ch.to_role), "reason": ch.reason})
+        self.at(now + self.c.elastic.interval_s, self._plan_roles)
 
     # -- engines -----------------------------------------------------------------------
     def _kick(self, now: float, w: _Inst) -> None:
@@ -299,16 +351,15 @@ class EngineSimulator:
             rec = self._record(i)
             if o.num_cached_tokens_by_tier is not None and "l1" not in rec:
                 rec.update({t.lower(): n for t, n in o.num_cached_tokens_by_tier.items()})
-            if w.role == DECODE:
-                if o.finished:
-                    rec["done_t"] = now
-                    self._release(now, i)
-                continue
-            if o.new_token_ids and rec["ttft_t"] is None:
+            if o.new_token_ids and rec["ttft_t"] is None:  # first token: prefill side or decode-local append
                 rec["ttft_t"] = now
-                w.queued_prefill_tokens -= self.reqs[i].prompt_tokens
-                w.queued_prefill_s -= rec["est_s"]
-                w.running_requests -= 1
+                wid = self.by_id[rec["worker"]]
+                wid.queued_prefill_tokens -= self.reqs[i].prompt_tokens
+                wid.queued_prefill_s -= rec["est_s"]
+                wid.running_requests -= 1
+                if self.role_window is not None and wid.role in PREFILL_SIDE_ROLES:
+                    ttft = now - rec["arrival"]
+                    self.role_window.observe_prefill_done(now, wid.role, max(0.0, ttft - rec["est_s"]), ttft)
             if o.finish_reason == "handoff":
                 self._handoff(now, w, i)
             elif o.finished:
