@@ -170,6 +170,8 @@ class EngineSimulator:
         self.rejected = 0
         self.role_changes: list[dict[str, Any]] = []
         self.role_window = None
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()  # see run(); re-enabled when the run ends
         if cluster.elastic is not None:
             from cpd.policy.role_window import RoleWindow
             from cpd.policy.roles import PlannerState
@@ -238,8 +240,8 @@ class EngineSimulator:
 
     def run(self) -> "EngineSimulator":
         # The engine objects allocate millions of small lists (token ids, events) that live
-        # long; the cyclic GC would rescan them over and over. Nothing in a run depends on it.
-        gc_was_enabled = gc.isenabled()
+        # long; the cyclic GC would rescan them over and over (it is off from the constructor
+        # on, which builds the prewarm state). Nothing in a run depends on it.
         gc.disable()
         try:
             while self._q:
@@ -252,7 +254,7 @@ class EngineSimulator:
                 self.events_run += 1
         finally:
             self.close()
-            if gc_was_enabled:
+            if self._gc_was_enabled:
                 gc.enable()
         return self
 

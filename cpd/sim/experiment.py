@@ -1,4 +1,5 @@
-"""Experiments: build clusters from an experiment file, run sweeps, summarise, find saturation.
+"""Experiments on the engine-object simulator (:mod:`cpd.sim.engine_sim`): clusters from an
+experiment file, one point per (configuration, load, seed), steady-window metrics, goodput.
 
 Experiment file (JSON), see ``cpd/sim/experiments/reference_b200.json``::
 
@@ -6,38 +7,64 @@ Experiment file (JSON), see ``cpd/sim/experiments/reference_b200.json``::
      "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold", "router_cost": "linear" | "roofline",
      "prefill": {"tp", "max_num_batched_tokens", "max_prefill_chunk_tokens", "max_num_seqs", "l2_bytes"},
      "decode":  {"tp", "ranks_per_node", "max_num_seqs"},
-     "configs": {"2P1D": {"topology": "pd", "pre_prefill": 0, "prefill": 2, "decode": 1}, ...},
-     "workload": {"kind": "agent", ...AgentWorkload fields} | {"kind": "mooncake", "path", ...},
-     "qps_per_gpu": [...], "ramp_s", "steady_s", "drain_s", "seed",
-     "slo": {"ttft_p90_s", "min_completion_ratio"}}
+     "layout": {"prefill_nodes": 2, "decode_nodes": 1},      # GPUs of the named configurations
+     "configs": {NAME: {"topology", "pre_prefill", "prefill", "decode", "l3_bytes",
+                        "mode": "static" | "adaptive", "write_through": "none" | "cold" | "all",
+                        "elastic": {PlannerConfig fields} }, ...},
+     "routing": {RoutingConfig fields (adaptive knobs), optional},
+     "workload": {"kind": "agent", ...AgentWorkload fields} | {"kind": "trace", "path", ...},
+     "qps_per_gpu": [...], "ramp_s", "steady_s", "drain_s", "seed", "seeds",
+     "slo": {"ttft_s", "tpot_s", "goodput_min"}, "search": {"iters", "max_qps_per_gpu"}}
 
-Normalisation: ``QPS/GPU = offered total QPS / all GPUs of the configuration`` (pre-prefill,
-prefill and decode GPUs). Each sweep point offers ``qps_per_gpu * num_gpus`` requests/s.
+Configurations by name (the same names as the live system's, :data:`NAMED_CONFIGS`), all on the
+GPUs of ``layout`` (``prefill_nodes`` prefill-side nodes, ``decode_nodes`` decode nodes):
+``pd`` (plain P/D, local prefix caches, no L3), ``pd-l3`` (P/D whose prefill workers write every
+computed block through to the shared L3 and read from it), ``cpd-static`` (one prefill node turned
+pre-prefill; reuse-ratio classes; cold work writes through), ``cpd`` (the same GPUs, adaptive
+routing). An experiment file's own ``configs`` may add or override names.
 
-Saturation rule: a point *keeps up* when (a) TTFT p90 over the steady window <= ``slo.ttft_p90_s``
-and (b) at least ``slo.min_completion_ratio`` of the window's requests got their first token
-before the window closed + ``drain_s``, and (closed-loop workloads) at least that fraction of
-the offered requests actually arrived in the window (turns wait for the previous answer, so
-an overloaded cluster receives fewer). The saturation QPS/GPU is where the TTFT p90 curve
-crosses the SLO, linearly interpolated between the last point that keeps up and the first
-that does not (a point failing (b) counts as TTFT p90 = infinity: the crossing is then
-that point's load); if every point keeps up it is reported as ">= the largest point".
+Normalisation: ``QPS/GPU = offered total QPS / all GPUs of the configuration``.
+
+Per point (:func:`run_point`): arrivals over ``ramp_s + steady_s`` (linear ramp), the run goes on
+``drain_s`` after. The **steady window** is ``[t_warm, ramp_s + steady_s)`` where ``t_warm`` is the
+later of ``ramp_s`` and the MSER-5 truncation point of the TTFT series (requests in arrival
+order, unfinished ones counted with their time so far; :mod:`cpd.sim.stats`). **Goodput** = the
+fraction of the window's requests that got their first token within ``slo.ttft_s`` *and* (more
+than one output token) finished with TPOT = (last token - first token) / (output - 1) within
+``slo.tpot_s``; a rejected or unfinished request fails, and in closed-loop workloads the
+fraction is taken over the larger of the requests that arrived and those scheduled to arrive in
+the window (an overloaded cluster receives fewer turns). Busy time per pool = engine step and
+transfer time per instance of that role over ``[ramp_s, ramp_s + steady_s)``, divided by the
+window and the pool's instance count (roles as at the end of the run).
 """
 from __future__ import annotations
 
+import copy
 import json
-import math
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.policy.cost_model import Efficiency, RooflineCostModel
-from cpd.policy.routing import ROLE_DECODE, ROLE_PRE_PREFILL, ROLE_PREFILL, LinearCostModel, RoutingConfig
-from cpd.sim.simulator import ClusterSpec, InstanceSpec, Simulator
+from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.sim.engine_sim import EngineClusterSpec, EngineInstanceSpec, EngineSimulator
+from cpd.sim.stats import mser5, pct, rnd
 from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload
+from cpd.types import Role, RoutingMode, Topology, WriteThrough
 
 EXPERIMENTS_DIR = Path(__file__).parent / "experiments"
+
+NAMED_CONFIGS: dict[str, dict[str, Any]] = {
+    "pd": {"topology": "pd", "write_through": "none", "l3_bytes": 0},
+    "pd-l3": {"topology": "pd", "write_through": "all"},
+    "cpd-static": {"topology": "cpd", "mode": "static"},
+    "cpd": {"topology": "cpd", "mode": "adaptive"},
+}
+"""The configurations every experiment knows by name (module docstring); node counts come from
+the experiment's ``layout``."""
+
+DEFAULT_SLO = {"ttft_s": 1.0, "tpot_s": 0.05, "goodput_min": 0.9}
 
 
 def load_experiment(path: str | Path) -> dict:
@@ -45,56 +72,100 @@ def load_experiment(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         p = EXPERIMENTS_DIR / f"{path}.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no experiment {path!r} (neither a file nor in {EXPERIMENTS_DIR})")
     return json.loads(p.read_text())
 
 
-def build_cluster(exp: dict, config: str, exact_decode: bool = False) -> ClusterSpec:
-    """Cluster for one named configuration of ``exp`` (see module docstring)."""
-    cfg = exp["configs"][config]
+def slo_of(exp: dict) -> dict[str, float]:
+    """The experiment's SLOs with defaults (:data:`DEFAULT_SLO`)."""
+    s = dict(DEFAULT_SLO)
+    s.update({k: v for k, v in exp.get("slo", {}).items() if k in DEFAULT_SLO})
+    return s
+
+
+def config_spec(exp: dict, name: str) -> dict[str, Any]:
+    """The configuration dict of ``name``: a named one (:data:`NAMED_CONFIGS`) on the experiment's
+    ``layout``, updated by the experiment's own entry of that name if any."""
+    lay = exp.get("layout", {"prefill_nodes": 2, "decode_nodes": 1})
+    out: dict[str, Any] = {}
+    if name in NAMED_CONFIGS:
+        out = dict(NAMED_CONFIGS[name])
+        n = int(lay.get("prefill_nodes", 2))
+        cpd = out["topology"] == "cpd"
+        out.update(pre_prefill=1 if cpd else 0, prefill=n - 1 if cpd else n, decode=int(lay.get("decode_nodes", 1)))
+    out.update(exp.get("configs", {}).get(name, {}))
+    if not out:
+        known = sorted(set(NAMED_CONFIGS) | set(exp.get("configs", {})))
+        raise KeyError(f"unknown configuration {name!r} (known: {', '.join(known)})")
+    return out
+
+
+def config_names(exp: dict) -> list[str]:
+    """The experiment's configurations: its own ``configs`` (in file order), else the named ones."""
+    return list(exp.get("configs") or NAMED_CONFIGS)
+
+
+def _costs(exp: dict) -> tuple[RooflineCostModel, RooflineCostModel]:
     eff = Efficiency(**exp.get("efficiency", {}))
-    common = dict(kv_dtype_bytes=exp.get("kv_dtype_bytes", 2),
-                  weight_bytes_per_param=exp.get("weight_bytes_per_param", 2),
+    common = dict(kv_dtype_bytes=exp.get("kv_dtype_bytes", 2), weight_bytes_per_param=exp.get("weight_bytes_per_param", 2),
                   fp8_compute=exp.get("fp8_compute", False), eff=eff)
+    pf, dc = exp["prefill"], exp["decode"]
+    return (RooflineCostModel.build(exp["model"], exp["gpu"], tp=pf.get("tp", 4), **common),
+            RooflineCostModel.build(exp["model"], exp["gpu"], tp=dc.get("tp", 1), **common))
+
+
+def routing_config(exp: dict, cfg: dict) -> RoutingConfig:
+    """The live :class:`RoutingConfig` of one configuration (topology, mode, write-through, SLOs)."""
+    slo = slo_of(exp)
+    extra = {k: v for k, v in exp.get("routing", {}).items() if k in {f.name for f in fields(RoutingConfig)}}
+    wt = cfg.get("write_through")
+    return RoutingConfig(topology=Topology(cfg.get("topology", "cpd")), cold_threshold=exp.get("cold_threshold", 0.5),
+                         block_size=exp.get("block_size", 512), mode=RoutingMode(cfg.get("mode", "static")),
+                         write_through=WriteThrough(wt) if wt is not None else None,
+                         ttft_slo_s=slo["ttft_s"], tpot_slo_s=slo["tpot_s"], **extra)
+
+
+def build_cluster(exp: dict, config: str) -> EngineClusterSpec:
+    """Engine instances, routing and L3 of configuration ``config`` of ``exp``."""
+    cfg = config_spec(exp, config)
+    pcost, dcost = _costs(exp)
     bs = exp.get("block_size", 512)
     pf, dc = exp["prefill"], exp["decode"]
-    pcost = RooflineCostModel.build(exp["model"], exp["gpu"], tp=pf.get("tp", 4), **common)
-    dcost = RooflineCostModel.build(exp["model"], exp["gpu"], tp=dc.get("tp", 1), **common)
     psched = SchedulerConfig(max_num_batched_tokens=pf.get("max_num_batched_tokens", 16384),
                              max_num_seqs=pf.get("max_num_seqs", 24),
                              max_prefill_chunk_tokens=pf.get("max_prefill_chunk_tokens", 16384), block_size=bs)
     dsched = SchedulerConfig(max_num_batched_tokens=dc.get("max_num_batched_tokens", 8192),
-                             max_num_seqs=dc.get("max_num_seqs", 24), max_prefill_chunk_tokens=1, block_size=bs)
-    block_bytes = bs * pcost.kv_bytes_per_token
-    l2 = int(pf.get("l2_bytes", 0) // block_bytes)
-    l3 = int(cfg.get("l3_bytes", exp.get("l3_bytes", 0)) // block_bytes)
-    wl3 = cfg.get("write_l3", {"pre-prefill": True, "prefill": True})
+                             max_num_seqs=dc.get("max_num_seqs", 24),
+                             max_prefill_chunk_tokens=dc.get("max_prefill_chunk_tokens", 8192), block_size=bs)
+    l2 = int(pf.get("l2_bytes", 0))
     insts = []
-    for role, n in ((ROLE_PRE_PREFILL, cfg.get("pre_prefill", 0)), (ROLE_PREFILL, cfg.get("prefill", 0))):
-        for _ in range(n):
-            insts.append(InstanceSpec(role, pcost, psched, None, l2, bool(wl3.get(role, False)) and l3 > 0))
-    for _ in range(cfg.get("decode", 0) * dc.get("ranks_per_node", 4)):
-        insts.append(InstanceSpec(ROLE_DECODE, dcost, dsched, None, 0, False))
-    rc = RoutingConfig(topology=cfg.get("topology", "cpd"), cold_threshold=exp.get("cold_threshold", 0.5),
-                       block_size=bs)
-    return ClusterSpec(tuple(insts), rc, router_cost(exp, pcost), bs, l3, exp.get("kv_event_delay_s", 0.05),
-                       exact_decode)
+    for role, n in ((Role.PRE_PREFILL, cfg.get("pre_prefill", 0)), (Role.PREFILL, cfg.get("prefill", 0))):
+        for _ in range(int(n)):
+            insts.append(EngineInstanceSpec(str(role), pcost, psched, max(1, pcost.kv_capacity_tokens // bs), l2))
+    for _ in range(int(cfg.get("decode", 0)) * dc.get("ranks_per_node", 4)):
+        insts.append(EngineInstanceSpec(str(Role.DECODE), dcost, dsched, max(1, dcost.kv_capacity_tokens // bs), 0))
+    elastic = None
+    if cfg.get("elastic"):
+        from cpd.policy.roles import PlannerConfig
+        elastic = PlannerConfig(**cfg["elastic"])
+    return EngineClusterSpec(tuple(insts), routing_config(exp, cfg), router_cost(exp, pcost), bs,
+                             int(cfg.get("l3_bytes", exp.get("l3_bytes", 0))), exp.get("kv_event_delay_s", 0.05),
+                             elastic=elastic)
+
+
+def num_gpus(cluster: EngineClusterSpec) -> int:
+    return sum(i.cost.tp for i in cluster.instances)
 
 
 def router_cost(exp: dict, pcost: RooflineCostModel):
     """The cost model the *router* sees (the instances' step times always use the roofline).
 
-    ``exp["router_cost"]``:
-
-    * ``"linear"`` (what the live router uses, ``cpd.router.estimates``): a
-      :class:`~cpd.policy.routing.LinearCostModel` with ``attn_coeff = 0``, whose prefill rate
-      is the roofline rate of a typical warm turn (``workload.turn_suffix`` new tokens on
-      ``workload.first_context`` cached, i.e. what the live EWMA of computed tokens / compute
-      time converges to on a mostly-warm mix) and whose L2 / L3 bandwidths and overheads are
-      the roofline links'. Queued tokens are then worth ``tokens / rate``.
-    * ``"roofline"``: the roofline itself. Note that the policy prices a worker's queue as
-      ``prefill_time_s(queued_tokens, 0)``, i.e. as *one* sequence, so the attention term makes
-      two queued 100 K-token prefills look ≈1.6x as long as they take; the router then
-      prefers recomputing a warm prefix elsewhere more often than the live router would.
+    ``exp["router_cost"]``: ``"linear"`` (what the live router uses, ``cpd.router.estimates``): a
+    :class:`~cpd.policy.routing.LinearCostModel` with ``attn_coeff = 0`` whose prefill rate is the
+    roofline rate of a typical warm turn (``workload.turn_suffix`` new tokens on
+    ``workload.first_context`` cached) and whose L2 / L3 bandwidths and overheads are the roofline
+    links'; ``"roofline"``: the roofline itself.
     """
     kind = exp.get("router_cost", "roofline")
     if kind == "roofline":
@@ -112,7 +183,7 @@ def router_cost(exp: dict, pcost: RooflineCostModel):
 
 def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None
                   ) -> tuple[list[SimRequest], list]:
-    """(requests, prewarm block lists) for one sweep point (``ramp_s + steady_s`` s of arrivals)."""
+    """(requests, prewarm block lists) for one point (``ramp_s + steady_s`` s of arrivals)."""
     w = dict(exp["workload"])
     w.update(overrides or {})
     kind = w.pop("kind", "agent")
@@ -138,13 +209,11 @@ def trace_point(w: dict, total_qps: float, dur: float, sim_block_tokens: int, se
     is set (closed loop, ``total_qps`` then ignored). Only requests arriving before ``dur`` (open
     loop) and only the sessions that start before it are converted.
     """
-    from dataclasses import fields as dfields
-
     from cpd.sim.workload import trace_workload
     from cpd.traces import ReplayOptions, poisson_starts
 
     trace = _read_trace_cached(w["path"])
-    names = {f.name for f in dfields(ReplayOptions)}
+    names = {f.name for f in fields(ReplayOptions)}
     opts = ReplayOptions(**{k: v for k, v in w.items() if k in names and v is not None})
     opts.seed = seed if "seed" not in w else w["seed"]
     n = trace.num_requests()
@@ -172,154 +241,112 @@ def _read_trace_cached(path: str):
     return _TRACES[path]
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    f = math.floor(k)
-    c = min(len(xs) - 1, f + 1)
-    return xs[f] + (xs[c] - xs[f]) * (k - f)
+def with_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
+    """A deep copy of ``exp`` with dotted-path keys set (``workload.cold_fraction``, ``slo.ttft_s``)."""
+    e = copy.deepcopy(exp)
+    for k, v in overrides.items():
+        d = e
+        parts = k.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = v
+    return e
 
 
-def _r(x: float, nd: int = 6) -> float | None:
-    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
-        return None
-    return round(float(x), nd)
+# --------------------------------------------------------------------------- one point
+def _busy_by_role(sim: EngineSimulator) -> dict[str, float]:
+    return {w.wid: w.busy_s for w in sim.insts}
 
 
-# (prefill tokens, decode tokens, link bytes by "<role>.<link>"): totals so far, or over a window
-_TokenCounts = tuple[int, int, dict[str, float]]
-
-
-def summarise(sim: Simulator, t0: float, t1: float, num_gpus: int,
-              win_tokens: _TokenCounts | None = None) -> dict[str, Any]:
-    """Metrics over requests arriving in ``[t0, t1)`` (the steady window). Times in s.
-
-    ``win_tokens``: tokens computed and link bytes moved during the window (from two
-    :func:`_snapshot` s); without it the throughput and link-bytes metrics are left out."""
-    end = sim.now
-    win = [(i, rec) for i, rec in enumerate(sim.rec) if rec is not None and t0 <= rec[0] < t1]
-    n = len(win)
-    ttft, ttft_w, ttft_c, tpot = [], [], [], []
-    done_first = 0
-    qpool: dict[str, list[float]] = {}
-    qwarm: list[float] = []
-    qcold: list[float] = []
-    hit = {"L1": 0, "L2": 0, "L3": 0}
-    prompt = 0
-    stale = 0
-    cold = 0
-    for i, rec in win:
-        r = sim.reqs[i]
-        prompt += r.prompt_tokens
-        hit["L1"] += rec[4]
-        hit["L2"] += rec[5]
-        hit["L3"] += rec[6]
-        stale += rec[12]
-        t = (rec[7] - rec[0]) if rec[7] is not None else (end - rec[0])
-        if rec[7] is not None:
-            done_first += 1
-        ttft.append(t)
-        if rec[1] == "cold":
-            cold += 1
-            ttft_c.append(t)
-        else:
-            ttft_w.append(t)
-        if rec[8] is not None and rec[7] is not None and r.output_tokens > 1:
-            tpot.append((rec[8] - rec[7]) / (r.output_tokens - 1))
-        if rec[9] is not None:
-            qpool.setdefault(rec[2], []).append(rec[9])
-            (qwarm if rec[1] == "warm" else qcold).append(rec[9])
-        if rec[10] is not None:
-            qpool.setdefault("decode", []).append(rec[10])
-    span = t1 - t0
-    pre = [w for w in sim.insts if w.role != ROLE_DECODE]
-    dec = [w for w in sim.insts if w.role == ROLE_DECODE]
-    pgpus = sum(w.cost.tp for w in pre) or 1
-    dgpus = sum(w.cost.tp for w in dec) or 1
-    sched = sum(1 for r in sim.reqs if t0 <= r.arrival_s < t1)
-    out: dict[str, Any] = {
-        "requests": n,
-        "arrival_ratio": _r(min(1.0, n / sched) if sched else 1.0),
-        "deferred_turns": sim.deferred,
-        "completion_ratio": _r(done_first / n if n else 0.0),
-        "cold_fraction": _r(cold / n if n else 0.0),
-        "ttft_s": {k: _r(_pct(ttft, q)) for k, q in (("p50", .5), ("p90", .9), ("p99", .99))},
-        "ttft_warm_s": {k: _r(_pct(ttft_w, q)) for k, q in (("p50", .5), ("p90", .9), ("p99", .99))},
-        "ttft_cold_s": {k: _r(_pct(ttft_c, q)) for k, q in (("p50", .5), ("p90", .9), ("p99", .99))},
-        "tpot_s": {k: _r(_pct(tpot, q)) for k, q in (("p50", .5), ("p90", .9))},
-        "hit_ratio": {k: _r(v / prompt if prompt else 0.0) for k, v in hit.items()},
-        "stale_blocks": stale,
-        "queue_s": {p: {"mean": _r(sum(v) / len(v)), "p90": _r(_pct(v, .9))} for p, v in sorted(qpool.items())},
-        # prefill-side queue time (loaded -> admitted) by request class: head-of-line blocking
-        # of warm requests behind cold prefills shows up in queue_warm_s
-        "queue_warm_s": {"mean": _r(sum(qwarm) / len(qwarm)) if qwarm else None, "p90": _r(_pct(qwarm, .9))},
-        "queue_cold_s": {"mean": _r(sum(qcold) / len(qcold)) if qcold else None, "p90": _r(_pct(qcold, .9))},
-    }
-    if win_tokens is not None:
-        pt, dt, lb = win_tokens
-        out["prefill_tokens_per_s_per_gpu"] = _r(pt / span / pgpus, 3)
-        out["decode_tokens_per_s_per_gpu"] = _r(dt / span / dgpus, 3)
-        out["link_bytes"] = {k: int(v) for k, v in sorted(lb.items())}
+def run_point(exp: dict, config: str, qps_per_gpu: float, seed: int | None = None,
+              overrides: dict | None = None) -> dict[str, Any]:
+    """Simulate one (configuration, load, seed) point; its steady-window summary (JSON-ready,
+    no wall-clock values: the same inputs give the same dict)."""
+    cluster = build_cluster(exp, config)
+    gpus = num_gpus(cluster)
+    total = qps_per_gpu * gpus
+    seed = int(exp.get("seed", 0) if seed is None else seed)
+    reqs, prewarm = make_workload(exp, total, seed, overrides)
+    ramp, steady = float(exp.get("ramp_s", 30)), float(exp.get("steady_s", 600))
+    t1 = ramp + steady
+    sim = EngineSimulator(cluster, reqs, stop_s=t1 + exp.get("drain_s", 60), prewarm=prewarm)
+    snaps: dict[str, dict[str, float]] = {}
+    sim.at(ramp, lambda now: snaps.__setitem__("a", _busy_by_role(sim)))
+    sim.at(t1, lambda now: snaps.__setitem__("b", _busy_by_role(sim)))
+    sim.run()
+    out = summarise(sim, exp, ramp, t1, snaps.get("a", {}), snaps.get("b", _busy_by_role(sim)))
+    out.update({"config": config, "qps_per_gpu": rnd(qps_per_gpu), "qps_total": rnd(total), "seed": seed,
+                "num_gpus": gpus, "simulated_s": rnd(sim.now), "events": sim.events_run,
+                "role_changes": sim.role_changes})
     return out
 
 
-def _snapshot(sim: Simulator) -> _TokenCounts:
-    pt = sum(w.tokens for w in sim.insts if w.role != ROLE_DECODE)
-    dt = sum(w.tokens for w in sim.insts if w.role == ROLE_DECODE)
-    lb: dict[str, float] = {}
+def summarise(sim: EngineSimulator, exp: dict, ramp: float, t1: float, busy_a: dict[str, float],
+              busy_b: dict[str, float]) -> dict[str, Any]:
+    """Steady-window metrics of a finished run (module docstring)."""
+    slo = slo_of(exp)
+    end = sim.now
+    recs = [(i, r) for i, r in enumerate(sim.rec) if r is not None and r["arrival"] < t1]
+    recs.sort(key=lambda x: (x[1]["arrival"], x[0]))
+
+    def ttft(r: dict) -> float:
+        if r.get("rejected"):
+            return end - r["arrival"]
+        return (r["ttft_t"] if r["ttft_t"] is not None else end) - r["arrival"]
+    cut = mser5([ttft(r) for _, r in recs])
+    t_warm = max(ramp, recs[cut][1]["arrival"] if cut < len(recs) else t1)
+    no_steady = cut >= len(recs) // 2 and len(recs) >= 2 * 5
+    win = [(i, r) for i, r in recs if r["arrival"] >= t_warm]
+    closed = any(q.deps() for q in sim.reqs)
+    scheduled = sum(1 for q in sim.reqs if t_warm <= q.arrival_s < t1)
+    good = 0
+    tt, tp, tt_w, tt_c = [], [], [], []
+    hit = {"l1": 0, "l2": 0, "l3": 0}
+    prompt = cold = first = rejected = 0
+    pools: dict[str, int] = {}
+    for i, r in win:
+        q = sim.reqs[i]
+        prompt += q.prompt_tokens
+        if r.get("rejected"):
+            rejected += 1
+            continue
+        t = ttft(r)
+        tt.append(t)
+        (tt_c if r["cls"] == "cold" else tt_w).append(t)
+        cold += r["cls"] == "cold"
+        pools[r["pool"]] = pools.get(r["pool"], 0) + 1
+        for k in hit:
+            hit[k] += r.get(k, 0)
+        if r["ttft_t"] is None:
+            continue
+        first += 1
+        tpot = None
+        if r["done_t"] is not None and q.output_tokens > 1:
+            tpot = (r["done_t"] - r["ttft_t"]) / (q.output_tokens - 1)
+            tp.append(tpot)
+        ok_tpot = q.output_tokens <= 1 and r["done_t"] is not None or tpot is not None and tpot <= slo["tpot_s"]
+        good += t <= slo["ttft_s"] and ok_tpot
+    n = len(win)
+    denom = max(n, scheduled) if closed else n
+    span = max(1e-9, t1 - ramp)
+    busy: dict[str, list[float]] = {}
     for w in sim.insts:
-        for l in (w.pcie, w.nic):
-            kind = l.name.split(".")[1]
-            key = f"{w.role}.{kind}"
-            lb[key] = lb.get(key, 0.0) + l.bytes_total
-    return pt, dt, lb
-
-
-def run_point(exp: dict, config: str, qps_per_gpu: float, overrides: dict | None = None,
-              exact_decode: bool = False, on_progress: Callable[[float], None] | None = None) -> dict[str, Any]:
-    """Simulate one (configuration, load) point and return its summary (JSON-ready)."""
-    cluster = build_cluster(exp, config, exact_decode)
-    total = qps_per_gpu * cluster.num_gpus
-    seed = int(exp.get("seed", 0))
-    reqs, prewarm = make_workload(exp, total, seed, overrides)
-    ramp, steady = exp.get("ramp_s", 30), exp.get("steady_s", 600)
-    t0, t1 = float(ramp), float(ramp + steady)
-    sim = Simulator(cluster, reqs, stop_s=t1 + exp.get("drain_s", 60), on_progress=on_progress, prewarm=prewarm)
-    snaps: dict[str, _TokenCounts] = {}
-    sim.at(t0, lambda now: snaps.__setitem__("a", _snapshot(sim)))
-    sim.at(t1, lambda now: snaps.__setitem__("b", _snapshot(sim)))
-    sim.run()
-    a, b = snaps.get("a"), snaps.get("b", _snapshot(sim))
-    win: _TokenCounts | None = None
-    if a is not None:
-        win = (b[0] - a[0], b[1] - a[1], {k: b[2][k] - a[2].get(k, 0) for k in b[2]})
-    s = summarise(sim, t0, t1, cluster.num_gpus, win_tokens=win)
-    s.update({"config": config, "qps_per_gpu": _r(qps_per_gpu), "qps_total": _r(total),
-              "num_gpus": cluster.num_gpus, "simulated_s": _r(sim.now), "events": sim.events_run})
-    return s
-
-
-def saturation(points: list[dict], slo_p90: float, min_completion: float) -> dict[str, Any]:
-    """Apply the saturation rule (module docstring) to one configuration's sorted points."""
-    pts = sorted(points, key=lambda p: p["qps_per_gpu"])
-    prev = None
-    for p in pts:
-        p90 = p["ttft_s"]["p90"]
-        ok_c = p["completion_ratio"] >= min_completion and p.get("arrival_ratio", 1.0) >= min_completion
-        if p90 is None or not ok_c or p90 > slo_p90:
-            if prev is None:
-                return {"qps_per_gpu": None, "bounded": "below", "first_fail": p["qps_per_gpu"]}
-            x0, y0 = prev["qps_per_gpu"], prev["ttft_s"]["p90"]
-            x1 = p["qps_per_gpu"]
-            if ok_c and p90 is not None and p90 > y0:
-                x = x0 + (x1 - x0) * (slo_p90 - y0) / (p90 - y0)
-            else:
-                x = x1 if not ok_c else x0
-            return {"qps_per_gpu": _r(x, 4), "qps_total": _r(x * p["num_gpus"], 4), "bounded": "interpolated",
-                    "last_ok": x0, "first_fail": x1}
-        prev = p
-    last = pts[-1]
-    return {"qps_per_gpu": last["qps_per_gpu"], "qps_total": _r(last["qps_per_gpu"] * last["num_gpus"], 4),
-            "bounded": "at-least", "last_ok": last["qps_per_gpu"], "first_fail": None}
+        busy.setdefault(str(w.role), []).append((busy_b.get(w.wid, 0.0) - busy_a.get(w.wid, 0.0)) / span)
+    q3 = (("p50", .5), ("p90", .9), ("p99", .99))
+    return {
+        "requests": n, "warmup_s": rnd(t_warm - 0.0), "warmup_rule": "max(ramp_s, MSER-5 on TTFT)",
+        "no_steady_state": no_steady,
+        "arrival_ratio": rnd(min(1.0, n / scheduled) if (closed and scheduled) else 1.0),
+        "goodput": rnd(good / denom if denom else 0.0),
+        "goodput_qps_per_gpu": rnd(good / max(1e-9, t1 - t_warm) / max(1, sum(i.cost.tp for i in sim.c.instances))),
+        "rejected": rejected,
+        "completion_ratio": rnd(first / n if n else 0.0),
+        "cold_fraction": rnd(cold / n if n else 0.0),
+        "pool_share": {k: rnd(v / n) for k, v in sorted(pools.items())},
+        "ttft_s": {k: rnd(pct(tt, x)) for k, x in q3},
+        "ttft_warm_s": {k: rnd(pct(tt_w, x)) for k, x in q3},
+        "ttft_cold_s": {k: rnd(pct(tt_c, x)) for k, x in q3},
+        "tpot_s": {k: rnd(pct(tp, x)) for k, x in (("p50", .5), ("p90", .9))},
+        "hit_ratio": {k.upper(): rnd(v / prompt if prompt else 0.0) for k, v in hit.items()},
+        "busy_fraction": {k: rnd(sum(v) / len(v), 4) for k, v in sorted(busy.items())},
+    }
