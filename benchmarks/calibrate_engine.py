@@ -21,6 +21,11 @@ Grid:
 
 Measurements are interleaved: every round visits every point once in a shuffled order; the
 profile keeps every sample, the load average at each, and the median per point (what is fitted).
+Clock (``--clock``): by default the step's *thread CPU time* is fitted, not its wall time: on a
+shared machine the wall time of a 1-thread step includes the time other processes held the
+core, the thread's CPU time does not (it still includes their cache and memory-bandwidth
+interference). Both are recorded per point (``wall_t_s``, ``cpu_t_s``). With more than one
+torch thread only ``--clock wall`` is meaningful (the others' CPU time is not counted).
 
 Usage::
 
@@ -93,19 +98,20 @@ class Timer:
         while self.e.has_unfinished():
             self.e.step()
 
-    def prefill_step_s(self, prompt: list[int]) -> tuple[float, dict[str, int]]:
-        """Seconds of the one step that computes ``prompt``'s uncached part, and the prompt tokens
-        it found cached per tier (``{}`` when the request did not finish in that one step)."""
+    def prefill_step_s(self, prompt: list[int]) -> tuple[tuple[float, float], dict[str, int]]:
+        """``(wall, thread CPU)`` seconds of the one step that computes ``prompt``'s uncached
+        part, and the prompt tokens it found cached per tier (``{}`` when the request did not
+        finish in that one step)."""
         self.e.add_request(EngineRequest(self._rid(), prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         outs = self.e.step()
-        dt = time.perf_counter() - t
+        dt = (time.perf_counter() - t, time.thread_time() - c)
         while self.e.has_unfinished():
             self.e.step()
         got = next((o.num_cached_tokens_by_tier for o in outs if o.num_cached_tokens_by_tier is not None), None)
         return dt, (dict(got) if outs and outs[0].finished and got is not None else {})
 
-    def decode_steps_s(self, prompts: list[list[int]], steps: int) -> list[float]:
+    def decode_steps_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
         e = self.e
         for p in prompts:
             e.add_request(EngineRequest(self._rid(), p, SamplingParams(max_tokens=steps + 2, ignore_eos=True)))
@@ -115,28 +121,31 @@ class Timer:
             raise RuntimeError("decode setup: not every sequence is running (raise num_blocks / max_num_seqs)")
         out = []
         for _ in range(steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             e.step()
-            out.append(time.perf_counter() - t)
+            out.append((time.perf_counter() - t, time.thread_time() - c))
         while e.has_unfinished():
             e.step()
         return out
 
 
 def measure_grid(timer: Timer, n_list: list[int], p_list: list[int], b_list: list[int], c_list: list[int],
-                 rounds: int, steps: int, max_ctx: int, log) -> list[dict]:
-    """Interleaved rounds over the prefill and decode points; one sample list per point."""
+                 rounds: int, steps: int, max_ctx: int, clock: str, log) -> list[dict]:
+    """Interleaved rounds over the prefill and decode points; per point the wall and thread-CPU
+    samples and medians; ``t_s`` (what is fitted) is the ``clock`` one."""
     prefixes = {p: timer.tokens(p) for p in p_list if p > 0}
     for p, toks in prefixes.items():  # compute each prefix once; later requests hit it in L1
         timer.run(toks)
     points: dict[tuple, dict] = {}
     for p in p_list:
         for n in n_list:
-            if p + n <= max_ctx:
-                points[("prefill", n, p)] = {"kind": "prefill", "n": n, "p": p, "samples_s": [], "loadavg": []}
+            if p + n < max_ctx:  # room for the sampled token
+                points[("prefill", n, p)] = {"kind": "prefill", "n": n, "p": p, "wall_samples_s": [],
+                                             "cpu_samples_s": [], "loadavg": []}
     for b in b_list:
         for c in c_list:
-            points[("decode", b, c)] = {"kind": "decode", "b": b, "c": c, "samples_s": [], "loadavg": []}
+            points[("decode", b, c)] = {"kind": "decode", "b": b, "c": c, "wall_samples_s": [], "cpu_samples_s": [],
+                                        "loadavg": []}
     keys = list(points)
     for rnd in range(rounds):
         random.Random(rnd).shuffle(keys)
@@ -152,23 +161,27 @@ def measure_grid(timer: Timer, n_list: list[int], p_list: list[int], b_list: lis
                         timer.run(toks)
                 else:
                     raise RuntimeError(f"prefill n={n} p={p}: prefix not cached after 3 tries ({got})")
-                pt["samples_s"].append(dt)
+                pt["wall_samples_s"].append(dt[0])
+                pt["cpu_samples_s"].append(dt[1])
             else:
                 _, b, c = key
                 shared = timer.tokens(c - TAIL)
                 timer.run(shared)  # cached first: the b prompts then compute only their tails
-                pt["samples_s"].append(statistics.median(
-                    timer.decode_steps_s([shared + timer.tokens(TAIL) for _ in range(b)], steps)))
+                ds = timer.decode_steps_s([shared + timer.tokens(TAIL) for _ in range(b)], steps)
+                pt["wall_samples_s"].append(statistics.median(x[0] for x in ds))
+                pt["cpu_samples_s"].append(statistics.median(x[1] for x in ds))
             pt["loadavg"].append(round(os.getloadavg()[0], 2))
         log(f"round {rnd + 1}/{rounds} done, load {os.getloadavg()[0]:.2f}")
     out = []
     for pt in points.values():
-        pt["t_s"] = statistics.median(pt["samples_s"])
+        pt["wall_t_s"] = statistics.median(pt["wall_samples_s"])
+        pt["cpu_t_s"] = statistics.median(pt["cpu_samples_s"])
+        pt["t_s"] = pt[f"{clock}_t_s"]
         out.append(pt)
     return out
 
 
-def measure_transfers(model_dir, dtype, kv_tok: int, p_list: list[int], rounds: int, log) -> dict:
+def measure_transfers(model_dir, dtype, kv_tok: int, p_list: list[int], rounds: int, clock: str, log) -> dict:
     """L2 / L3 / NIC bandwidths (module docstring); each figure a median over ``rounds``."""
     from cpd.store import open_store
     from cpd.store.connector import L3Connector
@@ -199,15 +212,17 @@ def measure_transfers(model_dir, dtype, kv_tok: int, p_list: list[int], rounds: 
                         or g3.get("L3") != p:
                     log(f"transfer p={p}: tiers not as planned ({g1}, {g2}, {g3}); skipped")
                     continue
-                samples["L2"].append((g2["L2"], l2 - base))
-                samples["L3"].append((p, l3 - base))
+                k = 0 if clock == "wall" else 1
+                samples["L2"].append((g2["L2"], l2[k] - base[k]))
+                samples["L3"].append((p, l3[k] - base[k]))
                 e.add_request(EngineRequest(f"x{rnd}-{p}", a, SamplingParams(max_tokens=2, ignore_eos=True),
                                             mode="prefill"))
                 while e.has_unfinished():
                     e.step()
-                t0 = time.perf_counter()
+                clk = time.perf_counter if clock == "wall" else time.thread_time
+                t0 = clk()
                 e.export_kv(f"x{rnd}-{p}")
-                samples["NIC"].append((p, 2 * (time.perf_counter() - t0)))
+                samples["NIC"].append((p, 2 * (clk() - t0)))
                 e.release(f"x{rnd}-{p}")
                 e.reset_prefix_cache()
             log(f"transfers round {rnd + 1}/{rounds}, load {os.getloadavg()[0]:.2f}")
@@ -236,8 +251,13 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--transfer-p", type=_ints, default=_ints("2048,4096"))
     ap.add_argument("--no-transfers", action="store_true")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="what is fitted: the step's thread CPU time (default: robust to other processes "
+                         "on a shared machine; equals wall time on an idle core with 1 thread) or wall time")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.threads > 1 and a.clock == "cpu":
+        ap.error("--clock cpu counts the calling thread only: use --clock wall with --threads > 1")
     torch.set_num_threads(a.threads)
     model_dir = Path(a.model or default_model_dir())
     dtype = resolve_dtype(a.dtype)
@@ -260,11 +280,12 @@ def main() -> None:
     timer.run(timer.tokens(256))  # warm-up (first-call allocations)
     t0 = time.time()
     points = measure_grid(timer, a.prefill_n, a.prefill_p, a.decode_b, a.decode_c, a.rounds, a.decode_steps,
-                          max_ctx, log)
+                          max_ctx, a.clock, log)
     del engine, timer
     kv_dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     kv_tok = shape.kv_bytes_per_token(kv_dtype_bytes)
-    transfer = {} if a.no_transfers else measure_transfers(model_dir, dtype, kv_tok, a.transfer_p, a.rounds, log)
+    transfer = {} if a.no_transfers else measure_transfers(model_dir, dtype, kv_tok, a.transfer_p, a.rounds,
+                                                                   a.clock, log)
     fit = fit_profile(points)
     model = {"name": str(json.loads((model_dir / "config.json").read_text()).get("cpd_model_id", model_dir.name)),
              **{k: getattr(shape, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -277,8 +298,9 @@ def main() -> None:
                        "python": platform.python_version(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                        "wall_s": round(time.time() - t0, 1)},
-           "method": {"rounds": a.rounds, "decode_steps": a.decode_steps, "block_size": BLOCK,
-                      "what": "median over rounds of Engine.step() wall time (interleaved, shuffled order)"},
+           "method": {"rounds": a.rounds, "decode_steps": a.decode_steps, "block_size": BLOCK, "clock": a.clock,
+                      "what": f"median over rounds of Engine.step() {a.clock} time (interleaved, shuffled order); "
+                              "points also carry the other clock's samples"},
            **fit, "transfer": transfer, "points": points}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
