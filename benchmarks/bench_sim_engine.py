@@ -1,39 +1,45 @@
-"""Simulator cores side by side on one reference point: the older core (cpd.sim.simulator) and the
-core on the live engine objects (cpd.sim.engine_sim): TTFT p50/p90 over the steady window and
-speed (simulated seconds per wall second).
+"""Speed of the engine-object simulator on one reference point (one process): simulated seconds
+per wall second, events, and where the wall time goes (``--profile``: cProfile, top functions).
 
-    .venv/bin/python benchmarks/bench_sim_engine.py [--steady-s 30] [--qps-per-gpu 0.8] [CONFIG ...]
+    .venv/bin/python benchmarks/bench_sim_engine.py [--steady-s 30] [--qps-per-gpu 0.8] [--profile] [CONFIG ...]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 
-from cpd.sim.engine_experiment import run_engine_point
 from cpd.sim.experiment import load_experiment, run_point
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("configs", nargs="*", default=["2P1D", "CPD-1D"])
+    ap.add_argument("configs", nargs="*", default=["pd", "cpd-static"])
     ap.add_argument("--steady-s", type=float, default=30.0)
     ap.add_argument("--qps-per-gpu", type=float, default=0.8)
     ap.add_argument("--experiment", default="reference_b200")
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     exp = load_experiment(a.experiment)
     exp.update(ramp_s=5, steady_s=a.steady_s, drain_s=10)
     for cfg in a.configs:
+        prof = cProfile.Profile() if a.profile else None
         t = time.perf_counter()
-        old = run_point(exp, cfg, a.qps_per_gpu)
-        w_old = time.perf_counter() - t
-        new = run_engine_point(exp, cfg, a.qps_per_gpu)
-        print(json.dumps({"config": cfg, "qps_per_gpu": a.qps_per_gpu, "requests": new["requests"],
-                          "old_core": {"ttft_s": {k: old["ttft_s"][k] for k in ("p50", "p90")},
-                                       "sim_s_per_wall_s": round(old["simulated_s"] / w_old, 1)},
-                          "engine_core": {"ttft_s": new["ttft_s"], "sim_s_per_wall_s": new["sim_s_per_wall_s"],
-                                          "completion_ratio": new["completion_ratio"], "busy_s": new["busy_s"]}}),
+        if prof is not None:
+            prof.enable()
+        p = run_point(exp, cfg, a.qps_per_gpu, seed=1)
+        if prof is not None:
+            prof.disable()
+        wall = time.perf_counter() - t
+        print(json.dumps({"config": cfg, "qps_per_gpu": a.qps_per_gpu, "requests": p["requests"],
+                          "simulated_s": p["simulated_s"], "wall_s": round(wall, 2),
+                          "sim_s_per_wall_s": round(p["simulated_s"] / wall, 3), "events": p["events"],
+                          "ttft_s": p["ttft_s"], "goodput": p["goodput"], "busy_fraction": p["busy_fraction"]}),
               flush=True)
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":

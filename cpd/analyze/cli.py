@@ -162,18 +162,18 @@ def analyze(
 
 def _quick_sim(path: Path, tr, steady_s: float, model: str, gpu: str, kvb: float, pts: list[float],
                nodes: dict[str, int], session_rate: float) -> tuple[str, str]:
-    """Quick 2P1D vs CPD sweep on the trace; returns (figures, verdict resting on them)."""
+    """Quick pd vs CPD sweep on the trace (one seed, engine-object simulator); returns (figures, verdict)."""
     from cpd.sim.experiment import load_experiment
     from cpd.sim.sweep import run_sweep
     exp = copy.deepcopy(load_experiment("reference_b200"))
     exp.update(model=model, gpu=gpu, kv_dtype_bytes=kvb, steady_s=steady_s, ramp_s=10, drain_s=30)
     exp["workload"] = {"kind": "trace", "path": str(path), "spread_ticks": tr.format == "mooncake",
                        "max_idle_s": None if tr.timed else 60.0}
-    exp["configs"] = {k: exp["configs"][k] for k in ("2P1D", "CPD-1D")}
-    exp["configs"]["CPD-split"] = {"topology": "cpd", "pre_prefill": nodes["pre-prefill"],
-                                   "prefill": nodes["prefill"], "decode": nodes["decode"]}
+    exp["configs"] = {"pd": {}, "cpd-static": {},
+                      "CPD-split": {"topology": "cpd", "pre_prefill": nodes["pre-prefill"],
+                                    "prefill": nodes["prefill"], "decode": nodes["decode"]}}
     exp["qps_per_gpu"] = pts
-    r = run_sweep(exp, progress=False)
+    r = run_sweep(exp, progress=False, seeds=1)
     return quick_sim_verdict(r, pts)
 
 
@@ -182,25 +182,26 @@ def quick_sim_verdict(r: dict, pts: list[float]) -> tuple[str, str]:
     configuration's saturation load is bounded and above plain P/D's; "no supported verdict"
     when a saturation is not bounded by the simulated points (every point fails, or none does)."""
     s = r["saturation"]
-    slo = r["slo"]["ttft_p90_s"]
+    slo = r["slo"]
 
     def fig(c):
         x = s[c]
         if x["qps_per_gpu"] is None:
             return f"{c} fails the SLO at every point (first {x.get('first_fail')})"
         return f"{c} {x['qps_per_gpu']} QPS/GPU ({x['bounded']})"
-    figs = f"loads {pts} QPS/GPU; saturation at TTFT p90 <= {slo} s: " + ", ".join(fig(c) for c in s)
-    base = s["2P1D"]
+    figs = (f"loads {pts} QPS/GPU; saturation (goodput >= {slo['goodput_min']} under TTFT <= {slo['ttft_s']} s and "
+            f"TPOT <= {slo['tpot_s']} s): " + ", ".join(fig(c) for c in s))
+    base = s["pd"]
     bounded = lambda x: x["qps_per_gpu"] is not None and x["bounded"] == "interpolated"
-    cpd = [c for c in s if c != "2P1D" and bounded(s[c])]
+    cpd = [c for c in s if c != "pd" and bounded(s[c])]
     if not bounded(base) or not cpd:
-        return figs, ("* **no supported verdict**: the simulated points do not bound the saturation of 2P1D and a "
+        return figs, ("* **no supported verdict**: the simulated points do not bound the saturation of pd and a "
                       "CPD configuration (" + figs + "); rerun with other loads (`cpd simulate --trace`).")
     best = max(cpd, key=lambda c: s[c]["qps_per_gpu"])
     g = s[best]["qps_per_gpu"] / base["qps_per_gpu"] - 1
     if g > 0.05:
-        return figs, f"* **CPD pays**: {best} sustains {s[best]['qps_per_gpu']} vs 2P1D {base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %)."
-    return figs, (f"* **CPD does not pay here**: best CPD {best} {s[best]['qps_per_gpu']} vs 2P1D "
+        return figs, f"* **CPD pays**: {best} sustains {s[best]['qps_per_gpu']} vs pd {base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %)."
+    return figs, (f"* **CPD does not pay here**: best CPD {best} {s[best]['qps_per_gpu']} vs pd "
                   f"{base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %).")
 
 

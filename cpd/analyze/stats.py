@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from cpd.sim.cache import BlockLRU
+from cpd.analyze.lru import BlockLRU
 from cpd.sim.workload import SimRequest
 
 

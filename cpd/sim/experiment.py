@@ -300,7 +300,10 @@ def summarise(sim: EngineSimulator, exp: dict, ramp: float, t1: float, busy_a: d
     closed = any(q.deps() for q in sim.reqs)
     scheduled = sum(1 for q in sim.reqs if t_warm <= q.arrival_s < t1)
     good = 0
-    tt, tp, tt_w, tt_c = [], [], [], []
+    tt: list[float] = []
+    tp: list[float] = []
+    tt_w: list[float] = []
+    tt_c: list[float] = []
     hit = {"l1": 0, "l2": 0, "l3": 0}
     prompt = cold = first = rejected = 0
     pools: dict[str, int] = {}

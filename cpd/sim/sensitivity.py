@@ -1,105 +1,96 @@
 """Sensitivity study: which modelling assumption drives the CPD-vs-P/D gain.
 
 Each *row* changes one or more experiment keys (dotted paths, e.g. ``prefill.l2_bytes``,
-``workload.cold_fraction``, ``slo.ttft_p90_s``) from the experiment file, re-runs the
-sweep of the chosen configurations and reports their saturation QPS/GPU and the gains.
-Rows that differ only in the SLO share one sweep (the SLO only enters the saturation rule).
+``workload.cold_fraction``, ``slo.ttft_s``) from the experiment file, re-runs the grid sweep of
+the chosen configurations over the experiment's seeds and reports each configuration's
+saturation QPS/GPU (mean over seeds, 95 % t-interval) and the gains of the mean saturations.
 Deterministic, like every sweep: the same inputs give the same table.
 
-    python -m cpd.sim.sensitivity reference_b200 --out docs/sim_results --steady-s 300
+    python -m cpd.sim.sensitivity reference_b200 --out docs/sim_results --steady-s 120 --seeds 3
 
 writes ``sensitivity.json`` and ``sensitivity.md`` (the table; the prose around it lives in
 ``docs/sim_results/report.md``).
 """
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
 
-from cpd.sim.experiment import load_experiment, saturation
+from cpd.sim.experiment import load_experiment, with_overrides
 from cpd.sim.sweep import run_sweep
 
 TB = 1e12
 
 # (label, overrides). The first row is the experiment file as shipped.
 DEFAULT_ROWS: list[tuple[str, dict[str, Any]]] = [
-    ("reference (as shipped: live-router cost, L2 3 TB, p90 <= 1 s)", {}),
-    ("previous reference (roofline router cost, L2 1.5 TB, p90 <= 2 s)",
-     {"router_cost": "roofline", "prefill.l2_bytes": 1.5 * TB, "slo.ttft_p90_s": 2.0}),
+    ("reference (as shipped: live-router cost, L2 3 TB, TTFT <= 1 s, TPOT <= 50 ms)", {}),
     ("router prices queues with the roofline", {"router_cost": "roofline"}),
     ("L2 host DRAM 1.5 TB / prefill node", {"prefill.l2_bytes": 1.5 * TB}),
-    ("L2 host DRAM 2 TB / prefill node", {"prefill.l2_bytes": 2 * TB}),
     ("no L2 (HBM prefix cache only)", {"prefill.l2_bytes": 0}),
-    ("TTFT SLO p90 <= 2 s", {"slo.ttft_p90_s": 2.0}),
-    ("TTFT SLO p90 <= 0.5 s", {"slo.ttft_p90_s": 0.5}),
+    ("TTFT SLO 2 s", {"slo.ttft_s": 2.0}),
+    ("TTFT SLO 0.5 s", {"slo.ttft_s": 0.5}),
+    ("TPOT SLO 25 ms", {"slo.tpot_s": 0.025}),
     ("new sessions 50 K tokens (cold prefill ~0.4 s)", {"workload.first_context": 50_000}),
     ("cold-fraction knob 0 (compaction only)", {"workload.cold_fraction": 0.0}),
-    ("cold-fraction knob 0.06", {"workload.cold_fraction": 0.06}),
+    ("cold-fraction knob 0.08", {"workload.cold_fraction": 0.08}),
     ("output 400 tokens", {"workload.output_tokens": 400}),
 ]
 
 
 def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
-    """A deep copy of ``exp`` with dotted-path keys set."""
-    e = copy.deepcopy(exp)
-    for k, v in overrides.items():
-        d = e
-        parts = k.split(".")
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = v
-    return e
+    """A deep copy of ``exp`` with dotted-path keys set (:func:`cpd.sim.experiment.with_overrides`)."""
+    return with_overrides(exp, overrides)
 
 
-def run_sensitivity(exp: dict, rows=None, configs=("2P1D", "CPD-1D", "2P1D+L3"), steady_s: float | None = None,
-                    jobs: int = 2, progress: bool = True, baseline: str = "2P1D", cpd: str = "CPD-1D",
-                    pooled: str = "2P1D+L3") -> dict[str, Any]:
+def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", "cpd"), steady_s: float | None = None,
+                    jobs: int = 2, progress: bool = True, baseline: str = "pd", cpd: str = "cpd-static",
+                    pooled: str = "pd-l3", seeds: int | None = None) -> dict[str, Any]:
     rows = rows if rows is not None else DEFAULT_ROWS
-    cache: dict[str, dict] = {}
     out = []
     for label, ov in rows:
         e = apply_overrides(exp, ov)
         if steady_s is not None:
             e["steady_s"] = steady_s
-        slo = e.get("slo", {})
-        key = json.dumps({k: v for k, v in ov.items() if not k.startswith("slo.")}, sort_keys=True)
-        if key not in cache:
-            cache[key] = run_sweep(e, list(configs), progress=progress, jobs=jobs)
-        res = cache[key]
-        p90, mc = slo.get("ttft_p90_s", 2.0), slo.get("min_completion_ratio", 0.98)
-        sat = {c: saturation([p for p in res["points"] if p["config"] == c], p90, mc) for c in configs}
+        res = run_sweep(e, list(configs), seeds=seeds, progress=progress, jobs=jobs)
+        sat = res["saturation"]
         q = {c: sat[c]["qps_per_gpu"] for c in configs}
 
         def gain(a, b):
             return round(q[a] / q[b] - 1, 4) if (q.get(a) and q.get(b)) else None
         pts = [p for p in res["points"] if p["config"] == baseline]
         out.append({"label": label, "overrides": ov, "saturation": sat, "qps_per_gpu": q,
+                    "ci": {c: sat[c]["ci"] for c in configs},
                     "at_least": {c: sat[c]["bounded"] == "at-least" for c in configs},
                     "gain_cpd_vs_baseline": gain(cpd, baseline), "gain_cpd_vs_pooled": gain(cpd, pooled),
+                    "gains_vs_baseline": {c: gain(c, baseline) for c in configs if c != baseline},
                     "realised_cold_fraction": round(sum(p["cold_fraction"] for p in pts) / max(1, len(pts)), 3)})
     return {"experiment": exp.get("name", ""), "configs": list(configs), "baseline": baseline, "cpd": cpd,
             "pooled": pooled, "steady_s": steady_s or exp.get("steady_s"), "qps_per_gpu": exp["qps_per_gpu"],
-            "rows": out}
+            "seeds": seeds or exp.get("seeds", 3), "rows": out}
 
 
 def markdown_table(s: dict) -> str:
-    b, c, p = s["baseline"], s["cpd"], s["pooled"]
+    cfgs, b = s["configs"], s["baseline"]
 
     def f(r, k):
         v = r["qps_per_gpu"].get(k)
         if v is None:
             return f"< {min(s['qps_per_gpu'])}"
-        return (">= " if r["at_least"].get(k) else "") + f"{v:.2f}"
+        ci = r.get("ci", {}).get(k)
+        tail = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and ci[0] is not None else ""
+        return (">= " if r["at_least"].get(k) else "") + f"{v:.2f}" + tail
 
     def g(v):
         return "n/a" if v is None else f"{v * 100:+.0f} %"
-    lines = [f"| assumption (one change from the reference) | realised cold | {b} | {c} | {p} | {c} vs {b} | "
-             f"{c} vs {p} |", "|---|---:|---:|---:|---:|---:|---:|"]
+    others = [c for c in cfgs if c != b]
+    lines = ["| assumption (one change from the reference) | realised cold | " + " | ".join(cfgs) + " | "
+             + " | ".join(f"{c} vs {b}" for c in others) + " |",
+             "|---|---:|" + "---:|" * (len(cfgs) + len(others))]
     for r in s["rows"]:
-        lines.append(f"| {r['label']} | {r['realised_cold_fraction']:.2f} | {f(r, b)} | {f(r, c)} | {f(r, p)} | "
-                     f"{g(r['gain_cpd_vs_baseline'])} | {g(r['gain_cpd_vs_pooled'])} |")
+        gv = r.get("gains_vs_baseline", {})
+        lines.append(f"| {r['label']} | {r['realised_cold_fraction']:.2f} | " + " | ".join(f(r, c) for c in cfgs)
+                     + " | " + " | ".join(g(gv.get(c)) for c in others) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -107,9 +98,10 @@ def render(s: dict, args: str, experiment: str = "reference_b200") -> str:
     """``sensitivity.md``: the table with how to regenerate and read it."""
     return (f"# Sensitivity of the CPD gain ({s['experiment']}, steady window {s['steady_s']:.0f} s per point)\n\n"
             f"Regenerate: `.venv/bin/python -m cpd.sim.sensitivity {experiment} {args}` (deterministic).\n\n"
-            "Saturation QPS/GPU by the report's rule (TTFT p90 <= SLO, first-token completion >= 0.98, "
-            "interpolated), one assumption changed per row from the experiment file. `< x`: misses the SLO "
-            "at the lowest load; `>= x`: meets it at the highest. *Realised cold* is the router-classified "
+            "Saturation QPS/GPU by the report's rule (goodput under the TTFT and TPOT SLOs >= the stated "
+            "fraction, interpolated per seed; mean [95 % CI] over seeds), one assumption changed per row from "
+            "the experiment file. `< x`: misses the SLO at the lowest load; `>= x`: meets it at the highest. "
+            "*Realised cold* is the router-classified "
             f"cold share averaged over the {s['baseline']} points (it grows where {s['baseline']} is overloaded: "
             "fewer sessions are idle for a next turn, so more new sessions start). "
             f"Shorter windows than the reference's make {s['cpd']}'s crossing earlier; the interpretation is in "
@@ -123,10 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="sim_out")
     ap.add_argument("--steady-s", type=float, default=None)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     exp = load_experiment(a.experiment)
-    s = run_sensitivity(exp, steady_s=a.steady_s, jobs=a.jobs, progress=not a.no_progress)
+    s = run_sensitivity(exp, steady_s=a.steady_s, jobs=a.jobs, progress=not a.no_progress, seeds=a.seeds)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(s, sort_keys=True, indent=1) + "\n")

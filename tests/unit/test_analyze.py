@@ -60,12 +60,12 @@ def test_analyze_azure_csv_states_no_prefix_info_and_bad_csv_is_clean(tmp_path):
 
 def test_verdict_needs_bounded_simulated_points():
     from cpd.analyze.cli import quick_sim_verdict
-    slo = {"ttft_p90_s": 1.0}
-    all_fail = {"saturation": {"2P1D": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3},
-                               "CPD-1D": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3}}, "slo": slo}
+    slo = {"ttft_s": 1.0, "tpot_s": 0.05, "goodput_min": 0.9}
+    all_fail = {"saturation": {"pd": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3},
+                               "cpd-static": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3}}, "slo": slo}
     assert "no supported verdict" in quick_sim_verdict(all_fail, [0.3])[1]
-    ok = {"saturation": {"2P1D": {"qps_per_gpu": 0.8, "bounded": "interpolated"},
-                         "CPD-1D": {"qps_per_gpu": 1.1, "bounded": "interpolated"}}, "slo": slo}
+    ok = {"saturation": {"pd": {"qps_per_gpu": 0.8, "bounded": "interpolated"},
+                         "cpd-static": {"qps_per_gpu": 1.1, "bounded": "interpolated"}}, "slo": slo}
     figs, v = quick_sim_verdict(ok, [0.5, 1.0, 1.5])
     assert "CPD pays" in v and "1.1" in v and "0.8" in v
 

@@ -7,8 +7,8 @@ from cpd.sim.sensitivity import DEFAULT_ROWS, apply_overrides, markdown_table
 
 def test_router_cost_linear_mirrors_live_router():
     exp = load_experiment("reference_b200")
-    lin = build_cluster(apply_overrides(exp, {"router_cost": "linear"}), "2P1D").router_cost
-    roof = build_cluster(apply_overrides(exp, {"router_cost": "roofline"}), "2P1D").router_cost
+    lin = build_cluster(apply_overrides(exp, {"router_cost": "linear"}), "pd").router_cost
+    roof = build_cluster(apply_overrides(exp, {"router_cost": "roofline"}), "pd").router_cost
     assert isinstance(lin, LinearCostModel) and lin.attn_coeff == 0.0
     assert isinstance(roof, RooflineCostModel)
     assert lin.kv_bytes_per_token == roof.kv_bytes_per_token
@@ -25,16 +25,17 @@ def test_router_cost_linear_mirrors_live_router():
 
 def test_apply_overrides_is_a_copy_with_dotted_keys():
     exp = load_experiment("reference_b200")
-    e = apply_overrides(exp, {"prefill.l2_bytes": 0, "slo.ttft_p90_s": 2.0, "workload.cold_fraction": 0.5})
-    assert e["prefill"]["l2_bytes"] == 0 and e["slo"]["ttft_p90_s"] == 2.0 and e["workload"]["cold_fraction"] == 0.5
+    e = apply_overrides(exp, {"prefill.l2_bytes": 0, "slo.ttft_s": 2.0, "workload.cold_fraction": 0.5})
+    assert e["prefill"]["l2_bytes"] == 0 and e["slo"]["ttft_s"] == 2.0 and e["workload"]["cold_fraction"] == 0.5
     assert exp["prefill"]["l2_bytes"] > 0 and exp["workload"]["cold_fraction"] != 0.5
     assert DEFAULT_ROWS[0][1] == {}
 
 
 def test_markdown_table_formats_bounds():
-    s = {"baseline": "A", "cpd": "B", "pooled": "C", "qps_per_gpu": [0.4, 1.6],
-         "rows": [{"label": "x", "realised_cold_fraction": 0.1, "qps_per_gpu": {"A": None, "B": 1.6, "C": 1.0},
-                   "at_least": {"A": False, "B": True, "C": False}, "gain_cpd_vs_baseline": None,
-                   "gain_cpd_vs_pooled": 0.6}]}
+    s = {"baseline": "A", "cpd": "B", "pooled": "C", "configs": ["A", "B", "C"], "qps_per_gpu": [0.4, 1.6],
+         "rows": [{"label": "x", "realised_cold_fraction": 0.1, "qps_per_gpu": {"A": 0.5, "B": 1.6, "C": None},
+                   "ci": {"A": [0.4, 0.6], "B": [1.6, 1.6], "C": [None, None]},
+                   "at_least": {"A": False, "B": True, "C": False},
+                   "gains_vs_baseline": {"B": 2.2, "C": None}}]}
     t = markdown_table(s)
-    assert "< 0.4" in t and ">= 1.60" in t and "+60 %" in t and "n/a" in t
+    assert "< 0.4" in t and ">= 1.60" in t and "0.50 [0.40, 0.60]" in t and "+220 %" in t and "n/a" in t

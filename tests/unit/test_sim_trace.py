@@ -25,13 +25,13 @@ def test_simulate_cli_takes_a_claude_code_trace(tmp_path):
     d = write_cc(tmp_path / "cc", [conversation(f"trace_00{i:02d}") for i in range(1, 30)])
     app = typer.Typer()
     app.command()(simulate)
-    args = ["--trace", str(d), "--out", str(tmp_path / "o"), "--steady-s", "60", "--config", "2P1D",
-            "--config", "CPD-1D", "--qps", "0.2", "--no-progress", "--jobs", "1"]
+    args = ["--trace", str(d), "--out", str(tmp_path / "o"), "--steady-s", "60", "--config", "pd",
+            "--config", "cpd-static", "--qps", "0.2", "--seeds", "1", "--no-progress", "--jobs", "2"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "B200" in r.output and "Llama-3.1-8B" in r.output and "SLO" in r.output
     res = json.loads((tmp_path / "o" / "results.json").read_text())
-    assert {p["config"] for p in res["points"]} == {"2P1D", "CPD-1D"}
+    assert {p["config"] for p in res["points"]} == {"pd", "cpd-static"}
     assert all(p["requests"] > 0 and p["completion_ratio"] == 1.0 and p["ttft_s"]["p90"] > 0 for p in res["points"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text("nope\n")

@@ -1,4 +1,4 @@
-"""Block caches for the simulator: a capacity-limited LRU that stays *prefix-closed*.
+"""Block caches for trace analysis (LRU hit-ratio curves): a capacity-limited LRU that stays *prefix-closed*.
 
 Invariant: whenever a block is present, all blocks before it in any request that touched
 it are present too. It holds because every access touches a whole leading run, leaf
