@@ -154,8 +154,6 @@ def test_role_change_under_load_loses_no_request(adaptive_dep):
     r = httpx.post(f"{dep.url}/cpd/role", json={"worker_id": "pp0", "role": "prefill"}, auth=auth, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["role"] == "prefill"
-    pp0 = next(w for w in dep.workers if w["worker_id"] == "pp0")
-    assert httpx.get(f"{pp0['url']}/info", auth=auth, timeout=5).json()["role"] == "prefill"
     assert _metric(dep, "cpd_role_changes_total", from_role="pre-prefill", to_role="prefill") >= before + 1
     deadline = time.time() + 15  # minimums first: some prefill worker is moved back to pre-prefill
     while time.time() < deadline:
@@ -178,6 +176,17 @@ def test_role_change_under_load_loses_no_request(adaptive_dep):
     assert r.status_code == 409 and _workers(dep)["d0"]["role"] == "decode"
     r = httpx.post(f"{dep.url}/cpd/role", json={"worker_id": moved[0], "role": "prefill"}, timeout=10)
     assert r.status_code == 401
+    # a change made at the worker itself is adopted by the router's poller (the worker's word wins);
+    # prefill -> pre-prefill keeps both pool minimums, so the (idle) planner has nothing to undo
+    other = next(wid for wid, w in _workers(dep).items() if w["role"] == "prefill")
+    url = next(w["url"] for w in dep.workers if w["worker_id"] == other)
+    r = httpx.post(f"{url}/role", json={"role": "pre-prefill"}, auth=auth, timeout=10)
+    assert r.json()["to_role"] == "pre-prefill"
+    deadline = time.time() + 10
+    while time.time() < deadline and _workers(dep)[other]["role"] != "pre-prefill":
+        time.sleep(0.1)
+    assert _workers(dep)[other]["last_role_change"]["reason"] == "reported by the worker"
+    assert httpx.get(f"{url}/info", auth=auth, timeout=5).json()["role"] == "pre-prefill"
 
 
 def test_admission_answers_429_with_retry_after(pdl3_dep):
