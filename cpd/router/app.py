@@ -243,6 +243,10 @@ class Router:
         @app.post("/cpd/role", include_in_schema=False)
         async def change_role(request: Request):
             """Force a worker's role (signed like /cpd/register): worker first, then the router."""
+            if not router.internal_secret and router.api_keys.enabled:  # clients authenticate, workers do not
+                return error_response(403, "POST /cpd/role needs the internal secret (auth.internal_secret_file "
+                                           "or $CPD_INTERNAL_SECRET) when client API keys are on",
+                                      code="internal_secret_required")
             body = await request.body()
             refused = registration.check_signature(request, body, router.internal_secret, None, "a role change")
             if refused is not None:

@@ -204,6 +204,10 @@ class CPDBackend:
                 yield chunk
                 if chunk.finish_reason is not None:
                     outcome = "ok"
+        except BackendError as e:
+            if e.status == 429:  # refused (SLO-predictive admission), not failed
+                outcome = "rejected"
+            raise
         except (GeneratorExit, asyncio.CancelledError):  # closed at a yield, or cancelled mid-await
             # the front closes on client disconnect (cancelled) or once a stop string matched (done)
             outcome = "ok" if req.control.stop_matched else "cancelled"

@@ -215,6 +215,7 @@ def test_admission_answers_429_with_retry_after(pdl3_dep):
     err = refused.json()["error"]
     assert (err["type"], err["code"]) == ("rate_limit_exceeded", "slo_admission"), err
     assert _metric(dep, "cpd_admission_rejected_total") == codes.count(429)
+    assert _metric(dep, "cpd_requests_total", outcome="rejected") == codes.count(429)
 
 
 def test_pd_l3_prefix_loaded_from_l3_by_the_other_worker(pdl3_dep, tiny_model_dir):
