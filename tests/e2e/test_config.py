@@ -116,3 +116,24 @@ def test_live_deployment_runs_with_the_configured_values(tiny_model_dir):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     finally:
         dep.stop()
+
+
+def test_routing_flags_reach_the_one_routing_config():
+    """The routing flags of cpd serve / cpd router set router.* keys, and routing_config builds the
+    policy's RoutingConfig from them (the one place it is built live)."""
+    from cpd.config import routing_config
+    from cpd.types import RoutingMode, Topology, WriteThrough
+    out = _show("--format", "json", "--topology", "pd", "--routing-mode", "adaptive", "--write-through", "all",
+                "--ttft-slo", "0.5", "--tpot-slo", "0.05", "--admission-factor", "3", "--decode-append-max-tokens",
+                "128", "--raw-wait-max", "0.4", "--spill-margin", "0.1", "--heavy-uncached", "0.2")
+    assert out.returncode == 0, out.stderr
+    cfg = Config.model_validate(json.loads(out.stdout))
+    rc = routing_config(cfg)
+    assert (rc.topology, rc.mode, rc.resolved_write_through(), rc.ttft_slo_s, rc.tpot_slo_s, rc.admission_factor,
+            rc.decode_append_max_tokens, rc.raw_wait_max_s, rc.spill_margin, rc.heavy_uncached_s) == (
+        Topology.PD, RoutingMode.ADAPTIVE, WriteThrough.ALL, 0.5, 0.05, 3.0, 128, 0.4, 0.1, 0.2)
+    elastic = _show("--elastic", "--set", "router.planner.min_dwell_s=5")
+    assert tomllib.loads(elastic.stdout)["router"]["elastic"] is True
+    assert tomllib.loads(elastic.stdout)["router"]["planner"]["min_dwell_s"] == 5
+    refused = _show("--topology", "pd", "--elastic")
+    assert refused.returncode == 2 and "router.elastic" in refused.stderr and "topology = cpd" in refused.stderr

@@ -10,8 +10,9 @@ from deploy_util import assert_no_leaks, random_prompt, start
 
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import (DecodeLine, DecodeRequest, KvSnapshot, LoadReport, MalformedBody,
-                                     PrefillRequest, WorkerInfoReport, decode_body, encode)
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, KvSnapshot, LoadReport,
+                                     MalformedBody, PrefillRequest, RoleChangeRequest, RoleChangeResponse,
+                                     WorkerInfoReport, decode_body, encode)
 from cpd.types import Role, Tier
 
 HANDLE = HandoffHandle(kind="shm", host="127.0.0.1", port=1, request_id="r", nbytes=8, dtype="<f4", shape=(2,),
@@ -24,7 +25,11 @@ def test_messages_round_trip_through_json():
     for msg, typ in [(PrefillRequest(request_id="r", prompt_token_ids=[1, 2], sampling=s, max_l3_blocks=0), PrefillRequest),
                      (DecodeRequest(request_id="r", token_ids=[1, 2, 3], sampling=s, handoff=HANDLE), DecodeRequest),
                      (HANDLE, HandoffHandle), (HandoffRelease("r", 7), HandoffRelease),
-                     (DecodeLine([4], "stop"), DecodeLine)]:
+                     (DecodeLine([4], "stop"), DecodeLine),
+                     (DecodeLine([4], num_cached_tokens_by_tier={Tier.L1: 32}, queue_s=0.5), DecodeLine),
+                     (AppendRequest(request_id="r", prompt_token_ids=[1, 2], sampling=s), AppendRequest),
+                     (RoleChangeRequest(Role.PREFILL), RoleChangeRequest),
+                     (RoleChangeResponse("p0", Role.PRE_PREFILL, Role.PREFILL), RoleChangeResponse)]:
         assert decode_body(encode(msg), typ) == msg
     assert encode(DecodeLine([1])) == b'{"token_ids":[1]}'  # defaults stay off the wire
 
@@ -61,9 +66,11 @@ def _worker(dep, role: str) -> dict:
     ("/decode", {"request_id": "r", "token_ids": [1], "sampling": {}, "handoff": {"kind": "disk"}}, "$.handoff.kind"),
     ("/decode", {"request_id": "r", "token_ids": [1], "sampling": {}}, "handoff"),
     ("/handoff/release", {"generation": 3}, "request_id"),
+    ("/append", {"request_id": "r", "prompt_token_ids": [1], "sampling": {"top_k": "x"}}, "$.sampling.top_k"),
+    ("/role", {"role": "teacher"}, "$.role"),
 ])
 def test_live_worker_refuses_malformed_bodies_with_400(dep, path, body, names):
-    role = "decode" if path == "/decode" else "prefill"
+    role = "decode" if path in ("/decode", "/append") else "prefill"
     r = httpx.post(_worker(dep, role)["url"] + path, json=body, timeout=10)
     assert r.status_code == 400, r.text
     assert names in r.json()["error"], r.json()
@@ -85,4 +92,20 @@ def test_live_answers_decode_into_the_typed_messages(dep):
     rec = list(httpx.get(f"{dep.url}/cpd/requests", timeout=10).json().values())[-1]
     assert rec["class"] == "cold" and rec["pool"] == "prefill" and rec["reasons"][0].startswith("cold:reuse=")
     assert set(rec["cached_tokens_by_tier"]) <= {str(t) for t in Tier}
+    assert rec["reason"] == "static" and [c["worker_id"] for c in rec["candidates"]] == [p["worker_id"]]
     assert_no_leaks(dep)
+
+
+def test_live_role_change_is_typed_and_limited_to_prefill_side(dep):
+    """POST /role: prefill <-> pre-prefill answers a RoleChangeResponse and /info reports it; a
+    decode worker refuses with 409 (it has no handoff sender nor L3 connector)."""
+    p, d = _worker(dep, "prefill"), _worker(dep, "decode")
+    try:
+        r = httpx.post(p["url"] + "/role", content=encode(RoleChangeRequest(Role.PRE_PREFILL)), timeout=10)
+        assert decode_body(r.content, RoleChangeResponse) == RoleChangeResponse(p["worker_id"], Role.PREFILL,
+                                                                                Role.PRE_PREFILL)
+        assert decode_body(httpx.get(p["url"] + "/info", timeout=10).content, WorkerInfoReport).role is Role.PRE_PREFILL
+    finally:
+        httpx.post(p["url"] + "/role", content=encode(RoleChangeRequest(Role.PREFILL)), timeout=10)
+    r = httpx.post(d["url"] + "/role", content=encode(RoleChangeRequest(Role.PREFILL)), timeout=10)
+    assert r.status_code == 409 and r.json()["code"] == "role_change_refused"
