@@ -67,7 +67,7 @@ def test_class_is_remaining_work_not_reuse_ratio():
 
 
 def test_short_work_goes_where_it_finishes_first_within_home():
-    d = route(SHORT_TOKENS, _short_match(), _cluster(p=(0.4, 0.1)), CFG, COST)
+    d = route(SHORT_TOKENS, _short_match(), _cluster(pp=(0.5,), p=(0.4, 0.1)), CFG, COST)
     assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p1", DecisionReason.HOME)
     assert not d.write_through
 
@@ -98,12 +98,19 @@ def test_hot_prefix_ten_concurrent_requests_spread_over_workers():
     assert max(queues.values()) < 10 * 0.4  # not all ten on one worker
 
 
-def test_short_work_spills_to_an_idle_pre_prefill_worker_only_when_home_misses_the_slo():
-    within = route(SHORT_TOKENS, _short_match(), _cluster(p=(1.8, 1.8)), CFG, COST)
-    assert within.pool == Role.PREFILL and within.reason == DecisionReason.HOME  # 1.87 s meets the 2 s SLO
-    over = route(SHORT_TOKENS, _short_match(), _cluster(p=(3.0, 3.0)), CFG, COST)
-    assert (over.pool, over.prefill_worker, over.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
-    assert over.request_class == RequestClass.WARM and not over.write_through
+def test_short_work_spills_to_an_idle_pre_prefill_worker_when_it_finishes_clearly_first():
+    """Short work needs no isolation: an idle pre-prefill worker takes it once it beats the prefill
+    pool by more than the margin, SLO met or not; a smaller gain keeps it home (hysteresis)."""
+    near = route(SHORT_TOKENS, _short_match(), _cluster(p=(0.01, 0.01)), CFG, COST)  # 0.078 vs 0.068 s
+    assert near.pool == Role.PREFILL and near.reason == DecisionReason.HOME
+    queued = route(SHORT_TOKENS, _short_match(), _cluster(p=(0.3, 0.3)), CFG, COST)  # 0.37 vs 0.07 s, SLO met
+    assert (queued.pool, queued.prefill_worker, queued.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
+    assert queued.request_class == RequestClass.WARM and not queued.write_through
+
+
+def test_heavy_work_stays_home_while_it_meets_the_slo():
+    d = route(1000, PrefixMatch(), _cluster(pp=(0.9,), p=(0.0, 0.0)), CFG, COST)  # 1.9 s at home vs 1.0 s
+    assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME
 
 
 def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
@@ -120,7 +127,7 @@ def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
 
 @settings(max_examples=300, deadline=None)
 @given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), heavy=st.booleans())
-def test_spill_needs_a_missed_slo_and_more_than_the_margin(home_q, other_q, heavy):
+def test_spill_needs_more_than_the_margin_and_heavy_work_a_missed_slo(home_q, other_q, heavy):
     n, match = (1000, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
     home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
     ws = [_w("h", home, home_q), _w("o", other, other_q), _w("o2", other, other_q), _w("d0", Role.DECODE)]
@@ -129,9 +136,9 @@ def test_spill_needs_a_missed_slo_and_more_than_the_margin(home_q, other_q, heav
     spilled = d.reason in (DecisionReason.SPILL_COLD, DecisionReason.SPILL_WARM)
     assert spilled == (d.pool == other)
     if spilled:
-        assert c["h"].ttft_s > CFG.ttft_slo_s
+        assert c["h"].ttft_s > CFG.ttft_slo_s or not heavy
         assert d.estimated_ttft_s < (1 - CFG.spill_margin) * c["h"].ttft_s
-    elif c["h"].ttft_s > CFG.ttft_slo_s and not heavy:
+    elif not heavy:
         assert c["o"].ttft_s >= (1 - CFG.spill_margin) * c["h"].ttft_s
 
 
