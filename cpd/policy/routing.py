@@ -571,7 +571,7 @@ def _adaptive_decision(num_prompt_tokens: int, match: PrefixMatch, loads: Sequen
     if appends and _best(appends).est.ttft_s < win.est.ttft_s:
         win, reason, fallback_from = _best(appends), DecisionReason.DECODE_APPEND, None
         heavy, decode_worker = win.est.own_s > heavy_uncached_s(cfg), win.load.worker_id
-    best_cached = max(c.plan.num_cached_blocks for c in cands) * cfg.block_size
+    best_cached = max(c.plan.num_cached_blocks for c in (*cands, *appends)) * cfg.block_size
     wt = cfg.resolved_write_through()
     cls = RequestClass.COLD if heavy else RequestClass.WARM
     return RouteDecision(cls, Role(win.load.role), win.load.worker_id, decode_worker, win.plan,
@@ -593,7 +593,8 @@ def _read_after_write(d: RouteDecision, num_prompt_tokens: int, match: PrefixMat
         return d
     seen = dataclasses.replace(match, l3=match.l3_pending, l3_pending=0, l3_pending_ready_s=0.0)
     w = _adaptive_decision(num_prompt_tokens, seen, loads, prefill_side, cfg, cost)
-    if w.estimated_ttft_s + ready_s >= d.estimated_ttft_s or w.load_plan.num_cached_blocks <= d.load_plan.num_cached_blocks:
+    if (w.estimated_ttft_s + ready_s >= d.estimated_ttft_s
+            or w.load_plan.num_cached_blocks <= d.load_plan.num_cached_blocks):
         return d
     waited = tuple(dataclasses.replace(c, wait_s=c.wait_s + ready_s, ttft_s=c.ttft_s + ready_s,
                                        score=c.score + ready_s) for c in w.candidates)
