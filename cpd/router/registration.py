@@ -100,7 +100,8 @@ def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> Wo
             router.backend.decode_slots.setdefault(w.worker_id, asyncio.Semaphore(router.max_decode_per_worker))
         log.warning("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
         new_events = True
-    elif (known.url, known.events_endpoint) == (reg.url, reg.events_endpoint):  # only its role changed
+    elif (known.url, known.events_endpoint) == (reg.url, reg.events_endpoint) and \
+            {known.role, reg.role} <= {"pre-prefill", "prefill"}:  # only its prefill-side role changed (POST /role)
         router.workers.set_role(known.worker_id, reg.role, "re-registered with a new role (elastic roles)")
         return known
     elif (known.url, known.events_endpoint, known.role) != (reg.url, reg.events_endpoint, reg.role):

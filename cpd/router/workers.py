@@ -18,7 +18,7 @@ import msgspec
 
 from cpd.messages.worker_api import LoadReport, decode_body
 from cpd.policy.routing import WorkerLoad
-from cpd.types import Role
+from cpd.types import PREFILL_SIDE_ROLES, Role
 
 log = logging.getLogger("cpd.router")
 
@@ -68,6 +68,14 @@ class WorkerInfo:
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
                           self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s))
+
+
+def _adopts_role(w: WorkerInfo, reported: Role) -> bool:
+    """Whether the router takes the role a worker reports as its own: only for an accepted worker
+    and only between the prefill-side roles (what ``POST /role`` on a worker can change). A role
+    that contradicts the router's config otherwise stays a refusal (:mod:`cpd.router.compat`)."""
+    return (w.state == "accepted" and str(reported) != w.role and reported in PREFILL_SIDE_ROLES
+            and Role(w.role) in PREFILL_SIDE_ROLES)
 
 
 class WorkerSet:
@@ -132,7 +140,7 @@ class WorkerSet:
                 w.last_load = msgspec.to_builtins(load)
                 self._poll_failures[w.worker_id] = 0
                 w.kv_usage = load.kv_usage
-                if str(load.role) != w.role:  # changed at the worker (POST /role): the worker's word wins
+                if _adopts_role(w, load.role):  # changed at the worker (POST /role): the worker's word wins
                     self.set_role(w.worker_id, load.role, "reported by the worker")
                 if not load.health.healthy:  # answers, but its engine steps keep failing
                     self.mark_unhealthy(w.worker_id)
