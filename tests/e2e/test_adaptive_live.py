@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -99,6 +100,8 @@ def test_hot_prefix_spreads_over_workers(adaptive_dep):
     records = [routing_record(dep, r["id"]) for r in results if r is not None]
     assert len(records) == 10
     served = [r["prefill_worker"] for r in records]
+    print(f"hot prefix (holder {holder}): served by {dict(sorted(Counter(served).items()))}, "
+          f"reasons {dict(Counter(r['reason'] for r in records))}")
     assert len(set(served)) > 1, f"all on {served[0]} (holder {holder}): {[r['reasons'] for r in records]}"
     for r in records:  # explainable: why the winner won, and every candidate's estimates
         assert r["reason"] in ("home", "spill-warm", "spill-cold", "decode-append", "wait-for-l3", "fallback")
