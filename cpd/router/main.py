@@ -5,7 +5,11 @@ writes it, or write it by hand): ``[router]`` gives the listen address, routing 
 settings, the call bounds (``[router.timeouts]``; the ``CPD_DISPATCH_TIMEOUTS`` environment
 variable, a JSON object, still overrides them), the ``workers`` to route to and ``served``: the
 KV namespace, ``max_model_len`` and ``kv_bytes_per_token`` the workers reported. ``[model]``
-gives the tokenizer directory and served model id, ``[deployment] topology`` the pools.
+gives the tokenizer directory and served model id, ``[deployment] topology`` the pools. The routing
+settings (``router.routing_mode``, ``write_through``, SLOs, admission, decode-local append,
+read-after-write, ``elastic`` + ``planner``) become one :class:`cpd.policy.routing.RoutingConfig`
+(:func:`cpd.config.routing_config`); ``cpd router`` takes their flags (``--routing-mode``,
+``--write-through``, ``--ttft-slo``, ``--elastic``, ...: the :data:`cpd.config.FLAGS` marked ``router``).
 Workers whose namespace or context differs from ``served`` are refused at run time
 (:mod:`cpd.router.compat`), not at startup: the router starts and serves with the compatible ones.
 """
