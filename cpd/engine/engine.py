@@ -827,6 +827,8 @@ class Engine:
         prepared = self._prepare_waiting()
         plan, by_id = self._admit(prepared)
         if not plan.scheduled:
+            if not self._running:
+                self.executor.idle()
             return outputs
         sched = [(by_id[s.request_id], s.num_new_tokens) for s in plan.scheduled]
         try:
@@ -861,6 +863,8 @@ class Engine:
                     self._held[r.id] = r  # KV kept for export_kv / release (id stays taken)
                 else:
                     self._free(r)
+            if not self._running:
+                self.executor.idle()
         return outputs
 
     def _append_token(self, r: _Req, tok: int) -> tuple[StepOutput, str | None]:

@@ -86,6 +86,10 @@ class Executor(Protocol):
     def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
         """The token of one row under ``params`` (a :class:`~cpd.engine.sampling.SamplingParams`)."""
 
+    def idle(self) -> None:
+        """No sequence is running any more: release per-sequence state kept between steps
+        (the torch executor's contiguous KV rows)."""
+
     def transfer(self, tier: str, num_tokens: int) -> None:
         """Account for moving ``num_tokens`` of KV over ``tier``'s link (``L2`` host → device,
         ``L3`` store → device, ``NIC`` handoff); the modeled executor waits the modeled time."""

@@ -159,6 +159,9 @@ class ModeledExecutor:
     def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
         return int(logits[row])
 
+    def idle(self) -> None:
+        """Nothing kept between steps."""
+
     def transfer(self, tier: str, num_tokens: int) -> None:
         if num_tokens > 0:
             self._wait(tier, self.cost_model.transfer_time_s(tier, num_tokens * self.kv_bytes_per_token))

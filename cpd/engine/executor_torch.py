@@ -72,5 +72,9 @@ class TorchExecutor:
     def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
         return sample(logits[row], params, output_index, self._gen)
 
+    def idle(self) -> None:
+        """Release the contiguous KV rows (nothing is running)."""
+        self.seq_kv.reset()
+
     def transfer(self, tier: str, num_tokens: int) -> None:
         """Real copies take their own time: nothing to add."""
