@@ -320,7 +320,8 @@ class EngineSimulator:
             w.role = Role(ch.to_role)
             self.role_changes.append({"t": now, "worker": ch.worker_id, "from": str(ch.from_role),
                                       "to": str(ch.to_role), "reason": ch.reason})
-        self.at(now + self.c.elastic.interval_s, self._plan_roles)
+        if self._q:  # other work pending: keep planning (an empty queue means the run is over)
+            self.at(now + self.c.elastic.interval_s, self._plan_roles)
 
     # -- engines -----------------------------------------------------------------------
     def _kick(self, now: float, w: _Inst) -> None:

@@ -110,3 +110,27 @@ def test_prewarmed_sessions_are_hits_in_l3_or_else_in_l2():
     assert with_l3.rec[0]["l3"] == 10 * BS
     without = EngineSimulator(_cluster("pd", l3_bytes=0), req, prewarm=[blocks]).run()
     assert without.rec[0]["l2"] == 10 * BS
+
+
+def test_elastic_roles_move_a_prefill_worker_to_the_busy_cold_pool():
+    """All requests cold (no reuse) at a rate that keeps one pre-prefill worker busy: the live
+    planner, called every interval on RoleWindow observations, turns a prefill worker into a
+    pre-prefill one, and later cold requests are routed to it."""
+    from cpd.policy.roles import PlannerConfig
+
+    roles = ("pre-prefill", "prefill", "prefill", "decode")
+    insts = tuple(EngineInstanceSpec(r, COST, _sched(), 2000, 0) for r in roles)
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="cpd", block_size=BS), COST, BS, l3_bytes=100 << 30,
+                           elastic=PlannerConfig(interval_s=1.0, min_dwell_s=0.0))
+    rng = random.Random(5)
+    t, reqs = 0.0, []
+    for k in range(150):
+        t += rng.expovariate(6.0)
+        reqs.append(SimRequest(t, 32 * BS - 7, 2, tuple(range(100 * k, 100 * k + 32))))
+    sim = EngineSimulator(cl, reqs).run()
+    moved = [c for c in sim.role_changes if c["from"] == "prefill" and c["to"] == "pre-prefill"]
+    assert moved, sim.role_changes
+    first = moved[0]
+    later = [r for r in sim.rec if r["arrival"] > first["t"] + 0.5]
+    assert any(r["worker"] == first["worker"] and r["pool"] == "pre-prefill" for r in later)
+    assert all(r["done_t"] is not None for r in sim.rec)
