@@ -238,6 +238,20 @@ def measure_transfers(model_dir, dtype, kv_tok: int, p_list: list[int], rounds: 
     return out
 
 
+def refit(src: Path, clock: str, out: Path) -> None:
+    """``src``'s points refitted on ``clock`` (``t_s`` := each point's ``{clock}_t_s``)."""
+    doc = json.loads(src.read_text())
+    for pt in doc["points"]:
+        pt["t_s"] = pt[f"{clock}_t_s"]
+    doc.update(fit_profile(doc["points"]))
+    doc["method"] = {**doc["method"], "clock": clock, "refit_from": str(src),
+                     "what": f"median over rounds of Engine.step() {clock} time, refitted from {src.name}"}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    for k in ("prefill", "decode"):
+        f = doc[k]["fit"]
+        print(f"{k}: {doc[k]['coef']}  R2 {f['r2']:.4f}  rms rel {f['rms_rel_error']:.3f}  max rel {f['max_rel_error']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="HF Llama dir (default: the converted SmolLM2-135M)")
@@ -254,8 +268,14 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="what is fitted: the step's thread CPU time (default: robust to other processes "
                          "on a shared machine; equals wall time on an idle core with 1 thread) or wall time")
+    ap.add_argument("--refit", metavar="PROFILE", default=None,
+                    help="measure nothing: refit PROFILE's points on --clock (e.g. a wall-time profile from a "
+                         "CPU-time run; the transfer figures are kept as measured) and write --out")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.refit:
+        refit(Path(a.refit), a.clock, Path(a.out))
+        return
     if a.threads > 1 and a.clock == "cpu":
         ap.error("--clock cpu counts the calling thread only: use --clock wall with --threads > 1")
     torch.set_num_threads(a.threads)

@@ -13,6 +13,10 @@ For each deployment (``pd:PRE:PREFILL:DECODE`` / ``cpd:PRE:PREFILL:DECODE``):
     and output caps), then the server is stopped;
 
 and reports TTFT p50/p90 of both and the relative error ``(predicted - measured) / measured``.
+A load-independent check rides along: each live worker's CPU seconds (user + system, all its
+threads, from ``/proc``) over the bench, next to the simulator's busy seconds of that worker
+(the sum of its modeled step and transfer times): the model's step costs, compared where
+other processes' time slices do not enter.
 Percentiles: :func:`cpd.bench.report.stats` for both sides. The 1-minute load average is
 sampled every 5 s during each live run (other processes on a shared machine slow it down).
 
@@ -97,6 +101,7 @@ def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dic
     busy = sim.busy_s()
     span = max((r["done_t"] or 0.0) for r in recs) if recs else 0.0
     return {"requests": len(reqs), "completed": len(ttft), "ttft_s": stats(ttft),
+            "busy_s": {w: round(b, 2) for w, b in busy.items()},
             "pools": {p: sum(1 for r in recs if r["pool"] == p) for p in sorted({r["pool"] for r in recs})},
             "busy_fraction": {w: round(b / max(span, 1e-9), 3) for w, b in busy.items()},
             "simulated_s": round(span, 2), "wall_s": round(wall, 2),
@@ -121,12 +126,64 @@ class LoadSampler(threading.Thread):
         return self.samples
 
 
+LIVE_PREFIX = {"pp": "pre-prefill", "p": "prefill", "d": "decode"}
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """``(parent pid, CPU seconds user + system)`` of ``pid`` from ``/proc`` (None if it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    f = raw[raw.rindex(")") + 2:].split()
+    return int(f[1]), (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds so far of every process under ``root`` that is a worker (named as the simulator
+    names it: ``p0`` → ``prefill-0``) or the router; the thread CPU time of all their threads."""
+    stats = {int(d): st for d in os.listdir("/proc") if d.isdigit() and (st := _stat(int(d))) is not None}
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = {}, list(kids.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(kids.get(pid, []))
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [x.decode(errors="replace") for x in argv]
+        if "--worker-id" in args:
+            wid = args[args.index("--worker-id") + 1]
+            pre = wid.rstrip("0123456789")
+            out[f"{LIVE_PREFIX.get(pre, pre)}-{wid[len(pre):]}"] = stats[pid][1]
+        elif "cpd.router.main" in args:
+            out["router"] = stats[pid][1]
+    return out
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
+
+
+def warm_up(url: str, n: int = 3) -> None:
+    """A few short requests (token-id prompts unrelated to the trace) so that the workers' first
+    forward passes (allocations, kernel set-up) are not charged to the trace's first requests,
+    as the calibration's warm-up step is not charged to its points."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    for i in range(n):
+        body = json.dumps({"model": model, "prompt": [100 + i * 7 + k for k in range(64 * (i + 1))],
+                           "max_tokens": 4}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
 
 
 def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[str, Any]:
@@ -150,13 +207,16 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[
             if serve.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"cpd serve did not come up (see {log.name})")
             time.sleep(1)
+        warm_up(url)
         uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         sampler = LoadSampler()
         sampler.start()
+        cpu0 = tree_cpu_s(serve.pid)
         t = time.monotonic()
         with open(out_dir / f"{tag}.bench.txt", "w") as bl:
             subprocess.run(bench_cmd, cwd=ROOT, stdout=bl, stderr=subprocess.STDOUT, check=True, timeout=a.bench_timeout_s)
         bench_s = time.monotonic() - t
+        cpu1 = tree_cpu_s(serve.pid)
         load = sampler.stop()
         uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     finally:
@@ -171,6 +231,7 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[
     s = doc["summary"]
     return {"ttft_s": s["all"]["ttft"], "errors": s.get("errors"), "requests": s.get("requests"),
             "bench_wall_s": round(bench_s, 1), "loadavg_1m_samples": load,
+            "cpu_s": {k: round(v - cpu0.get(k, 0.0), 2) for k, v in sorted(cpu1.items())},
             "loadavg_1m_mean": round(sum(load) / max(1, len(load)), 2), "uptime_before": uptime_before,
             "uptime_after": uptime_after, "serve_cmd": " ".join(serve_cmd[1:]), "bench_cmd": " ".join(bench_cmd[1:])}
 
@@ -216,7 +277,8 @@ def main() -> None:
                 m = measure(c, a, out_dir, tag)
                 res["configs"][c]["measured"].append(m)
                 print(f"{c} round {rnd + 1}: measured TTFT p50 {m['ttft_s']['p50']:.3f} s p90 "
-                      f"{m['ttft_s']['p90']:.3f} s, load {m['loadavg_1m_mean']}", flush=True)
+                      f"{m['ttft_s']['p90']:.3f} s, load {m['loadavg_1m_mean']}, CPU s {m['cpu_s']} "
+                      f"(predicted busy s {res['configs'][c]['predicted']['busy_s']})", flush=True)
                 a.out.write_text(json.dumps(res, indent=1) + "\n")
     for c, r in res["configs"].items():
         p = r["predicted"]["ttft_s"]
