@@ -94,7 +94,7 @@ class Router:
         e.g. restarted by ``cpd serve`` between two polls) has an empty cache and an event
         sequence that starts over: its entries are dropped and rebuilt from its snapshot."""
         old_boot_id = w.boot_id
-        ok = await compat.admit(self._http(), w, self.requirements)
+        ok = await compat.admit(self._http(), w, self.requirements, on_role_swap=self._adopt_reported_role)
         restarted = old_boot_id is not None and w.boot_id != old_boot_id
         if not ok or restarted:
             self.index.drop_worker(w.worker_id)
@@ -103,6 +103,11 @@ class Router:
                         old_boot_id, w.boot_id)
             self._resync_pending.add(w.worker_id)
         return ok
+
+    def _adopt_reported_role(self, w: WorkerInfo, role: str) -> None:
+        """A worker checked at admission serves the other prefill-side role than the router's
+        view (changed at run time, then the router or the worker restarted): its word wins."""
+        self.workers.set_role(w.worker_id, role, "reported by the worker at admission")
 
     def _on_unhealthy(self, worker_id: str) -> None:
         """A worker stopped answering: forget its L1/L2 blocks and count it."""
@@ -238,7 +243,8 @@ class Router:
 
         @app.get("/cpd/index")
         async def index():
-            return router.index.sizes()
+            """Blocks per tier in the prefix index, and the pending L3 writes (read-after-write)."""
+            return {**router.index.sizes(), "pending_writes": router.index.num_pending_writes()}
 
         @app.post("/cpd/role", include_in_schema=False)
         async def change_role(request: Request):
@@ -255,6 +261,8 @@ class Router:
                 a = decode_body(body, RoleAssignment)
             except MalformedBody as e:
                 return error_response(400, f"bad role change: {e}", code="invalid_role_change")
+            if a.worker_id not in router.workers.by_id:
+                return error_response(404, f"unknown worker {a.worker_id!r}", code="unknown_worker")
             ok, msg = await apply_role_change(router._http(), router.workers, a.worker_id, str(a.role),
                                               "forced via POST /cpd/role")
             if not ok:

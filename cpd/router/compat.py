@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import msgspec
@@ -32,6 +32,7 @@ import msgspec
 from cpd.kv.block_hash import Namespace
 from cpd.messages.worker_api import WorkerInfoReport, decode_body
 from cpd.router.workers import WorkerInfo
+from cpd.types import PREFILL_SIDE_ROLES
 
 log = logging.getLogger("cpd.router")
 
@@ -54,8 +55,13 @@ class Requirements:
 
 def refusal_reason(info: dict[str, Any], role: str, req: Requirements) -> str | None:
     """Why a worker reporting ``info`` (its ``GET /info``) cannot serve as ``role`` in a
-    deployment with requirements ``req``; ``None`` when it can. Pure."""
-    if info.get("role") != role:
+    deployment with requirements ``req``; ``None`` when it can. Pure.
+
+    A worker reporting the *other* prefill-side role (pre-prefill <-> prefill) is not refused:
+    elastic roles change them at run time (``POST /role``), so a router restarted from its
+    config, or a worker restarted from its command line, may disagree with the other side; the
+    caller adopts the worker's role (:func:`reported_role_swap`)."""
+    if info.get("role") != role and reported_role_swap(info, role) is None:
         return f"role is {info.get('role')!r} but the router config lists it as {role!r}"
     theirs = info.get("namespace")
     if not isinstance(theirs, dict):
@@ -70,6 +76,14 @@ def refusal_reason(info: dict[str, Any], role: str, req: Requirements) -> str | 
         return (f"max_model_len {n} is below the router's limit of {req.max_model_len} tokens "
                 f"(requests the router admits would be cut short)")
     return None
+
+
+def reported_role_swap(info: dict[str, Any], role: str) -> str | None:
+    """The role ``info`` reports when it is the other prefill-side role than ``role`` (an elastic
+    change the router did not see); None otherwise. Pure."""
+    reported = info.get("role")
+    sides = {str(r) for r in PREFILL_SIDE_ROLES}
+    return reported if reported != role and reported in sides and role in sides else None
 
 
 def needs_check(w: WorkerInfo, was_healthy: bool) -> bool:
@@ -89,10 +103,14 @@ async def fetch_info(client: httpx.AsyncClient, w: WorkerInfo) -> dict[str, Any]
     return msgspec.to_builtins(decode_body(r.content, WorkerInfoReport))
 
 
-async def admit(client: httpx.AsyncClient, w: WorkerInfo, req: Requirements) -> bool:
+async def admit(client: httpx.AsyncClient, w: WorkerInfo, req: Requirements,
+                on_role_swap: Callable[[WorkerInfo, str], None] | None = None) -> bool:
     """Check ``w`` and record the verdict on it; True if it is accepted. A worker that cannot
     be reached stays unchecked (not routed to; checked again at its next good poll); one that
-    answers without a usable ``/info`` is refused."""
+    answers without a usable ``/info`` is refused. An accepted worker reporting the other
+    prefill-side role (:func:`reported_role_swap`) is given that role through ``on_role_swap``
+    (the router's :meth:`~cpd.router.workers.WorkerSet.set_role`: logged and counted), else
+    directly."""
     try:
         info = await fetch_info(client, w)
     except httpx.TransportError as e:
@@ -103,6 +121,12 @@ async def admit(client: httpx.AsyncClient, w: WorkerInfo, req: Requirements) -> 
         record(w, f"GET /info failed: {e!r}", None)
         return False
     reason = refusal_reason(info, w.role, req)
+    swap = reported_role_swap(info, w.role) if reason is None else None
+    if swap is not None:
+        if on_role_swap is not None:
+            on_role_swap(w, swap)
+        else:
+            w.role = swap
     record(w, reason, info)
     return reason is None
 
@@ -121,5 +145,5 @@ def record(w: WorkerInfo, reason: str | None, info: dict[str, Any] | None) -> No
     w.state, w.refusal_reason = new_state, reason
 
 
-__all__ = ["Requirements", "refusal_reason", "needs_check", "fetch_info", "admit", "record",
+__all__ = ["Requirements", "refusal_reason", "reported_role_swap", "needs_check", "fetch_info", "admit", "record",
            "ACCEPTED", "REFUSED", "UNCHECKED"]

@@ -37,10 +37,14 @@ class DecodeFailed(Exception):
 async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, metrics: RouterMetrics,
                        w: WorkerInfo, slots: asyncio.Semaphore, body: DecodeRequest | AppendRequest,
                        staging_deadline: float, kv_bytes: int, path: str = "/decode",
-                       on_first_line: Callable[[DecodeLine], None] | None = None) -> AsyncIterator[GenerationChunk]:
+                       on_first_line: Callable[[DecodeLine], None] | None = None,
+                       first_token_deadline: float | None = None) -> AsyncIterator[GenerationChunk]:
     """Take a decode slot on ``w`` (waiting at most until ``staging_deadline``, router monotonic
     clock), send ``body`` to ``path`` (``/decode``, or ``/append`` for a decode-local append) and
-    yield its tokens until the finish reason; ``on_first_line`` sees the first line first."""
+    yield its tokens until the finish reason; ``on_first_line`` sees the first line first.
+    ``first_token_deadline`` (router monotonic clock): the first line with tokens is due by then,
+    heartbeats or not (an append's first token is a prefill: bounded by its estimate);
+    :class:`DecodeFailed` (``worker_failed``) otherwise."""
     try:  # a free slot is taken at once; a wait for one ends before the staging's deadline
         await asyncio.wait_for(slots.acquire(), None if not slots.locked() else
                                max(0.0, staging_deadline - time.monotonic()))
@@ -57,7 +61,7 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
         r = await asyncio.wait_for(client.send(http_req, stream=True), timeouts.connect_s + first_byte_s)
         if r.status_code != 200:
             await _decode_refused(metrics, w.worker_id, r)
-        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line):
+        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line, first_token_deadline):
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -71,13 +75,20 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
 
 
 async def _lines(r: httpx.Response, idle_s: float, worker_id: str,
-                 on_first_line: Callable[[DecodeLine], None] | None = None) -> AsyncIterator[GenerationChunk]:
-    """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped)."""
+                 on_first_line: Callable[[DecodeLine], None] | None = None,
+                 first_deadline: float | None = None) -> AsyncIterator[GenerationChunk]:
+    """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped), the
+    first one with content by ``first_deadline`` (monotonic) when given."""
     lines = r.aiter_lines().__aiter__()
     first = True
     while True:
+        wait_s = idle_s
+        if first and first_deadline is not None:
+            wait_s = min(idle_s, first_deadline - time.monotonic())
+            if wait_s <= 0:
+                raise DecodeFailed(f"{worker_id}: no first token within the bound", worker_failed=True)
         try:
-            line = await asyncio.wait_for(lines.__anext__(), idle_s)
+            line = await asyncio.wait_for(lines.__anext__(), wait_s)
         except StopAsyncIteration:
             raise DecodeFailed("stream ended without a finish_reason", worker_failed=True) from None
         if not line:

@@ -21,7 +21,10 @@ Adaptive decisions (issue 11) add three paths around these steps:
   decided again and dispatched whatever it says (the engine recomputes what is missing).
 * Decode-local append (``decision.decode_append``): one ``POST /append`` on the decode worker
   holding the prefix (the suffix prefilled there, then decoded, no handoff), relayed like a
-  decode. If that worker fails before its first token the request is routed again without it.
+  decode. Its first token is due within the prefill bound of its estimate
+  (:meth:`DispatchTimeouts.prefill_s`; heartbeats do not extend it). If the append fails before
+  its first token, whatever the failure (transport, timeout, refusal, an error line), the request
+  is routed again without an append (a worker that failed in transport or time is excluded).
 
 Closing the generator (client disconnect, stop string) cancels the in-flight HTTP
 call, which the worker sees as a disconnect and aborts — blocks are freed on every
@@ -148,10 +151,13 @@ class CPDBackend:
         return d, hashes
 
     def _decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str],
-                allow_append: bool) -> tuple[RouteDecision, list[BlockHash], PrefixMatch]:
+                allow_append: bool, allow_raw: bool = True) -> tuple[RouteDecision, list[BlockHash], PrefixMatch]:
+        """``allow_raw=False``: no read-after-write (the decision counts visible blocks only)."""
         hashes = cast(list[BlockHash], hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt)))
         match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
         cfg = self.cfg if allow_append else replace(self.cfg, decode_append_max_tokens=0)
+        if not allow_raw:
+            cfg = replace(cfg, raw_wait_max_s=0.0)
         try:
             d = route(len(req.prompt_token_ids), match, self._snapshots(set(excluded)), cfg, self.estimates.model())
         except NoWorkerError as e:
@@ -167,7 +173,8 @@ class CPDBackend:
 
     async def _decide_first(self, run: _Run) -> tuple[RouteDecision, list[BlockHash]]:
         """The first decision of a request, after the read-after-write hold it asks for (if
-        any): the request is then decided again and dispatched whatever that says."""
+        any): the request is then decided again on what is visible now (no second hold, and no
+        plan that counts blocks still pending) and dispatched whatever that says."""
         d, hashes, match = self._decide(run.req, run.excluded, allow_append=True)
         if d.wait_for_l3_s <= 0 or match.l3_pending <= match.l3:
             return d, hashes
@@ -176,8 +183,8 @@ class CPDBackend:
                                                           (len(run.req.prompt_token_ids) - 1) // self.cfg.block_size)
         self.metrics.raw_waits.labels("visible" if visible else "timeout").inc()
         self.metrics.raw_wait_s.observe(run.raw_wait_s)
-        d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True)
-        return replace(d, wait_for_l3_s=0.0), hashes
+        d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True, allow_raw=False)
+        return d, hashes
 
     async def _wait_for_l3(self, hashes: list[BlockHash], target_blocks: int, bound_s: float,
                            l3_max_blocks: int) -> tuple[float, bool]:
@@ -227,14 +234,16 @@ class CPDBackend:
                     sent = True
                     yield chunk
                 return
-            except DecodeFailed as e:
+            except (DecodeFailed, BackendError) as e:
+                if sent and isinstance(e, BackendError):
+                    raise
                 if sent:
                     raise BackendError(f"decode worker {d.decode_worker} failed mid-stream: {e}", 502,
                                        "server_error") from e
                 log.warning("decode-local append of %s on %s failed before its first token (%s); rerouting",
                             req.request_id, d.decode_worker, e)
                 self.metrics.decode_appends.labels("fallback").inc()
-                if e.worker_failed and d.decode_worker is not None:
+                if isinstance(e, DecodeFailed) and e.worker_failed and d.decode_worker is not None:
                     self.workers.mark_unhealthy(d.decode_worker)
                     run.excluded.add(d.decode_worker)
                 first = None
@@ -300,7 +309,8 @@ class CPDBackend:
         try:
             async for chunk in relay_decode(self.client, self.timeouts, self.metrics, w,
                                             self.decode_slots[w.worker_id], body, deadline, 0,
-                                            path="/append", on_first_line=first.append):
+                                            path="/append", on_first_line=first.append,
+                                            first_token_deadline=deadline):
                 if not n_out:
                     unqueue()
                     t_first = time.monotonic()

@@ -42,6 +42,8 @@ class WorkerInfo:
         boot_id, max_model_len: as its ``GET /info`` last reported them.
         last_role_change: the last role change the router saw (``{"from_role", "to_role",
             "reason", "at_unix_s"}``), None if none.
+        role_epoch: bumped by every role change; a ``/load`` answer to a poll sent before the
+            last change may predate it and never changes the role back.
     """
 
     worker_id: str
@@ -59,6 +61,7 @@ class WorkerInfo:
     boot_id: str | None = None
     max_model_len: int | None = None
     last_role_change: dict | None = None
+    role_epoch: int = 0
 
     @property
     def usable(self) -> bool:
@@ -111,6 +114,7 @@ class WorkerSet:
             return None
         change = {"from_role": w.role, "to_role": str(role), "reason": reason, "at_unix_s": time.time()}
         w.role = str(role)
+        w.role_epoch += 1
         w.last_role_change = change
         log.warning("worker %s role %s -> %s (%s)", worker_id, change["from_role"], change["to_role"], reason)
         if self.on_role_change is not None:
@@ -133,6 +137,7 @@ class WorkerSet:
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
         async def one(w: WorkerInfo):
+            epoch = w.role_epoch  # a role change while this poll is in flight wins over its answer
             try:
                 r = await client.get(f"{w.url}/load", timeout=self.poll_timeout_s)
                 r.raise_for_status()
@@ -140,7 +145,7 @@ class WorkerSet:
                 w.last_load = msgspec.to_builtins(load)
                 self._poll_failures[w.worker_id] = 0
                 w.kv_usage = load.kv_usage
-                if _adopts_role(w, load.role):  # changed at the worker (POST /role): the worker's word wins
+                if w.role_epoch == epoch and _adopts_role(w, load.role):  # changed at the worker: its word wins
                     self.set_role(w.worker_id, load.role, "reported by the worker")
                 if not load.health.healthy:  # answers, but its engine steps keep failing
                     self.mark_unhealthy(w.worker_id)

@@ -17,7 +17,9 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
 - ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
   (issue 11 §4): the whole generation on this worker as one full-mode request (cached prefix
   from L1/L2, the suffix prefilled here, then decoded); streamed like ``/decode`` (heartbeats
-  included); the first line carries the prefix-cache figures. Disconnect aborts.
+  included); the first line carries the prefix-cache figures. Disconnect aborts. Only a decode
+  worker appends (409 ``wrong_role`` otherwise: the prefix a decode-local append reuses is a
+  decode worker's).
 - ``POST /role`` (:class:`RoleChangeRequest` → :class:`RoleChangeResponse`): change this
   worker's role at run time, between pre-prefill and prefill only (409 otherwise); requests
   in flight finish unchanged (a role only steers the router). Reported by ``/info``, ``/load``
@@ -218,6 +220,9 @@ def build_app(st: WorkerState) -> FastAPI:
             body = await _read(request, AppendRequest)
         except MalformedBody as e:
             return _error(f"bad append request: {e}", 400)
+        if st.role != Role.DECODE:
+            return _error(f"decode-local append on a {st.role} worker: only decode workers append", 409,
+                          "wrong_role")
         return _append(st, body, request)
 
     @app.post("/role")
