@@ -140,14 +140,16 @@ class CPDBackend:
         self.recent = RecentRequests()  # request_id -> routing record (bounded)
 
     def decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str] = frozenset(),
-               allow_append: bool = True) -> tuple[RouteDecision, list[BlockHash]]:
+               allow_append: bool = True, allow_raw: bool = True) -> tuple[RouteDecision, list[BlockHash]]:
         """Route ``req``; workers in ``excluded`` (failed for this request) are not candidates;
-        ``allow_append=False`` rules out a decode-local append (a re-prefill needs a handoff).
+        ``allow_append=False`` rules out a decode-local append (a re-prefill needs a handoff);
+        ``allow_raw=False`` rules out a read-after-write hold (retries are dispatched at once, so
+        their plan must count visible blocks only).
 
         Raises:
             BackendError: 503 without a usable worker, 429 (``Retry-After`` from the prediction)
                 when SLO-predictive admission refuses the request."""
-        d, hashes, _ = self._decide(req, excluded, allow_append)
+        d, hashes, _ = self._decide(req, excluded, allow_append, allow_raw)
         return d, hashes
 
     def _decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str],
@@ -360,7 +362,7 @@ class CPDBackend:
             if attempt == 0 and first is not None:
                 d, hashes = first
             else:
-                d, hashes = self.decide(run.req, run.excluded, allow_append=False)
+                d, hashes = self.decide(run.req, run.excluded, allow_append=False, allow_raw=False)
             try:
                 ans = await self._prefill(run, d, hashes, sampling)
             except (httpx.TransportError, asyncio.TimeoutError) as e:

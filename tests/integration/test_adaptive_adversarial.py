@@ -164,6 +164,11 @@ def test_read_after_write_decides_again_on_visible_blocks_only():
     assert d.reason != DecisionReason.WAIT_FOR_L3 and d.wait_for_l3_s == 0
     assert d.load_plan.l3_blocks == 0  # none of them is visible
     assert b.index.num_pending_writes() == len(hashes)
+    # a retry (another prefill attempt) is dispatched at once: never planned on pending blocks
+    b.index.add_pending_writes(hashes, time.monotonic() + 0.5)
+    assert b.decide(req)[0].reason == DecisionReason.WAIT_FOR_L3
+    retry, _ = b.decide(req, allow_append=False, allow_raw=False)
+    assert retry.reason != DecisionReason.WAIT_FOR_L3 and retry.load_plan.l3_blocks == 0
 
 
 def test_a_prefill_side_role_swap_is_adopted_not_refused():
