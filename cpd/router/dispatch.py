@@ -307,23 +307,32 @@ class CPDBackend:
                 w.queued_prefill_s -= est_s
 
         deadline = time.monotonic() + self.timeouts.prefill_s(d.estimated_ttft_s)
-        n_out, t_first = 0, 0.0
+        n_out, t_first, started = 0, 0.0, False
+        outcome = "error"  # once started: ok (finished, or a stop string matched), cancelled or error
         try:
             async for chunk in relay_decode(self.client, self.timeouts, self.metrics, w,
                                             self.decode_slots[w.worker_id], body, deadline, 0,
                                             path="/append", on_first_line=first.append,
                                             first_token_deadline=deadline):
-                if not n_out:
+                if not started:
+                    started = True
                     unqueue()
                     t_first = time.monotonic()
                     self._record_append(run, d, first[0], t_first - run.t0, n)
                     chunk = replace(chunk, num_cached_tokens=min(n, sum((first[0].num_cached_tokens_by_tier
                                                                          or {}).values())))
                 n_out += len(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    outcome = "ok"
                 yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            if outcome != "ok":  # closed after its last chunk is still a finished append
+                outcome = "ok" if req.control.stop_matched else "cancelled"
+            raise
         finally:
             unqueue()
-        self.metrics.decode_appends.labels("ok").inc()
+            if started:  # before its first token the caller counts a fallback
+                self.metrics.decode_appends.labels(outcome).inc()
         if n_out > 1:
             self.metrics.tpot_s.observe((time.monotonic() - t_first) / (n_out - 1))
 

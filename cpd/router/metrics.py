@@ -50,8 +50,9 @@ class RouterMetrics:
                                  "bound passed, dispatched anyway)", ["outcome"], registry=r)
         self.raw_wait_s = Histogram("cpd_read_after_write_wait_seconds", "Time a dispatch was held for pending "
                                     "L3 blocks", buckets=_TTFT_BUCKETS, registry=r)
-        self.decode_appends = Counter("cpd_decode_appends", "Decode-local appends by outcome (ok, fallback: the "
-                                      "decode worker failed before its first token, rerouted)", ["outcome"],
+        self.decode_appends = Counter("cpd_decode_appends", "Decode-local appends by outcome (ok: finished or a "
+                                      "stop string matched; cancelled: the client left; error: failed after "
+                                      "its first token; fallback: failed before it, rerouted)", ["outcome"],
                                       registry=r)
         self.role_changes = Counter("cpd_role_changes", "Worker role changes (elastic roles or reported by the "
                                     "worker)", ["from_role", "to_role"], registry=r)

@@ -67,6 +67,9 @@ def _healthy_before_and_clean_after(dep):
     while time.time() < deadline and _get(dep, "/cpd/index")["pending_writes"]:
         time.sleep(0.2)
     assert _get(dep, "/cpd/index")["pending_writes"] == 0
+    busy = {k: (w["queued_prefill_tokens"], w["running_requests"]) for k, w in _get(dep, "/cpd/workers").items()
+            if w["queued_prefill_tokens"] or w["running_requests"]}
+    assert not busy, f"router-side queue figures not back to zero: {busy}"
 
 
 def _signal(dep, worker_id: str, sig) -> None:
@@ -195,6 +198,7 @@ def test_append_whose_worker_stops_after_its_first_token_ends_with_an_error_even
     final SSE error event within the idle bound, never a hang; the other tenant's request beside
     it is unaffected."""
     turn2, holder = _conversation(dep, 51)
+    errors_before = _metric(dep, "cpd_decode_appends_total", outcome="error")
     body = {"model": dep.model_name, "prompt": turn2, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     events: list[dict] = []
@@ -215,8 +219,35 @@ def test_append_whose_worker_stops_after_its_first_token_ends_with_an_error_even
     assert rec["reason"] == "decode-append", rec
     assert "error" in events[-1] and "choices" in events[0], events[-1]
     assert elapsed < TIMEOUTS["decode_idle_s"] + SLACK_S, elapsed
+    assert _metric(dep, "cpd_decode_appends_total", outcome="error") == errors_before + 1
     other, _, _ = _complete(dep, random_prompt(52, 40), 4, KEY_B)  # the deployment still serves
     assert len(other) == 4
+
+
+def test_append_stopped_by_a_stop_string_or_left_by_its_client(dep):
+    """An append that ends on a stop string counts as ``ok``, one whose client leaves mid-stream as
+    ``cancelled``; both free their blocks on the decode worker (the autouse check)."""
+    turn2, _ = _conversation(dep, 91)
+    before = {o: _metric(dep, "cpd_decode_appends_total", outcome=o) for o in ("ok", "cancelled")}
+    client = _client(dep)
+    text = client.completions.create(model=dep.model_name, prompt=turn2, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[10:14]
+    r = client.completions.create(model=dep.model_name, prompt=turn2, max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert _get(dep, "/cpd/requests")[r.id]["reason"] == "decode-append"
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+    stream = client.completions.create(model=dep.model_name, prompt=turn2, max_tokens=1500, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    first = next(iter(stream))
+    stream.close()  # the client leaves after its first chunk
+    assert _get(dep, "/cpd/requests")[first.id]["reason"] == "decode-append"
+    assert text.startswith(first.choices[0].text)
+    deadline = time.time() + 10
+    while time.time() < deadline and _metric(dep, "cpd_decode_appends_total", outcome="cancelled") == before["cancelled"]:
+        time.sleep(0.1)
+    assert _metric(dep, "cpd_decode_appends_total", outcome="cancelled") == before["cancelled"] + 1
+    assert _metric(dep, "cpd_decode_appends_total", outcome="ok") == before["ok"] + 2
 
 
 def test_role_change_in_the_middle_of_a_request(dep, tiny_model_dir):
