@@ -13,6 +13,11 @@ For each deployment (``pd:PRE:PREFILL:DECODE`` / ``cpd:PRE:PREFILL:DECODE``):
     and output caps), then the server is stopped;
 
 and reports TTFT p50/p90 of both and the relative error ``(predicted - measured) / measured``.
+Contention, measured (``slowdown``): before and after each live bench, 8 requests one at a time
+(32-512 tokens, no queue) give the ratio of their wall latency to the model's prefill time; the
+run is then also predicted with every modeled time multiplied by the median over the 16
+(``predicted_at_slowdown``). That
+prediction knows how much slower the live stack is *now* than the profile, not why.
 A load-independent check rides along: each live worker's CPU seconds (user + system, all its
 threads, from ``/proc``) over the bench, next to the simulator's busy seconds of that worker
 (the sum of its modeled step and transfer times): the model's step costs, compared where
@@ -186,7 +191,70 @@ def warm_up(url: str, n: int = 3) -> None:
             r.read()
 
 
-def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[str, Any]:
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def service_probe(url: str, cost: CalibratedCostModel, root_pid: int, lengths: tuple[int, ...], reps: int,
+                  seed: int = 1) -> list[dict[str, Any]]:
+    """Service time without queueing: one request at a time (random token-id prompts of
+    ``lengths``, ``max_tokens`` 1 so the prefill worker answers alone): the wall latency and
+    the CPU seconds of each process, next to the model's prefill time of the same chunks
+    (``max_prefill_chunk_tokens`` per step)."""
+    import random
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    chunk = Config().engine.max_prefill_chunk_tokens
+    rng = random.Random(seed)
+    rows = []
+    for rep in range(reps):
+        for n in lengths:
+            prompt = [rng.randrange(10, 40000) for _ in range(n)]
+            c0 = tree_cpu_s(root_pid)
+            t = time.perf_counter()
+            _complete(url, model, prompt, 1)
+            wall = time.perf_counter() - t
+            c1 = tree_cpu_s(root_pid)
+            pred = sum(cost.prefill_time_s(min(chunk, n - k), k) for k in range(0, n, chunk))
+            rows.append({"n": n, "rep": rep, "wall_s": round(wall, 4), "predicted_s": round(pred, 4),
+                         "cpu_s": {k: round(v - c0.get(k, 0.0), 3) for k, v in c1.items()},
+                         "loadavg_1m": round(os.getloadavg()[0], 2)})
+    return rows
+
+
+def slowdown(rows: list[dict[str, Any]]) -> float:
+    """Median of wall latency / modeled prefill time over probe rows: how much slower than the
+    profile the live stack (contention from other processes + HTTP/router/worker overheads) is now."""
+    import statistics
+    return round(statistics.median(r["wall_s"] / r["predicted_s"] for r in rows), 3)
+
+
+def probe(cost: CalibratedCostModel, a: argparse.Namespace, out_dir: Path) -> list[dict[str, Any]]:
+    """:func:`service_probe` on a live ``pd`` 1 + 1 over 32..2048-token prompts."""
+    url = f"http://127.0.0.1:{a.port}"
+    cpd = str(ROOT / ".venv/bin/cpd")
+    log = open(out_dir / "probe.serve.log", "w")
+    serve = subprocess.Popen([cpd, "serve", "--topology", "pd", "--prefill", "1", "--decode", "1", "--port", str(a.port)],
+                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(url):
+            if serve.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("cpd serve did not come up")
+            time.sleep(1)
+        warm_up(url)
+        rows = service_probe(url, cost, serve.pid, (32, 128, 256, 512, 1024, 2048), a.probe_reps)
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(60)
+        log.close()
+    return rows
+
+
+def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str, cost: CalibratedCostModel) -> dict[str, Any]:
     """One live run (module docstring, (b)); the bench JSON and logs go to ``out_dir``."""
     topo, pre, pf, dc = parse_config(cfg_s)
     url = f"http://127.0.0.1:{a.port}"
@@ -208,6 +276,7 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[
                 raise RuntimeError(f"cpd serve did not come up (see {log.name})")
             time.sleep(1)
         warm_up(url)
+        probe_rows = service_probe(url, cost, serve.pid, (32, 128, 256, 512), 2)
         uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         sampler = LoadSampler()
         sampler.start()
@@ -218,6 +287,7 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[
         bench_s = time.monotonic() - t
         cpu1 = tree_cpu_s(serve.pid)
         load = sampler.stop()
+        probe_after = service_probe(url, cost, serve.pid, (32, 128, 256, 512), 2, seed=2)
         uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
@@ -231,6 +301,8 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str) -> dict[
     s = doc["summary"]
     return {"ttft_s": s["all"]["ttft"], "errors": s.get("errors"), "requests": s.get("requests"),
             "bench_wall_s": round(bench_s, 1), "loadavg_1m_samples": load,
+            "slowdown": slowdown(probe_rows + probe_after), "slowdown_before": slowdown(probe_rows),
+            "slowdown_after": slowdown(probe_after), "probe": probe_rows + probe_after,
             "cpu_s": {k: round(v - cpu0.get(k, 0.0), 2) for k, v in sorted(cpu1.items())},
             "loadavg_1m_mean": round(sum(load) / max(1, len(load)), 2), "uptime_before": uptime_before,
             "uptime_after": uptime_after, "serve_cmd": " ".join(serve_cmd[1:]), "bench_cmd": " ".join(bench_cmd[1:])}
@@ -255,9 +327,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="live runs per config (interleaved: A B A B ...)")
     ap.add_argument("--port", type=int, default=8047)
     ap.add_argument("--bench-timeout-s", type=float, default=900)
+    ap.add_argument("--probe", action="store_true", help="only the no-queue service-time probe (see probe())")
+    ap.add_argument("--probe-reps", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     cost = CalibratedCostModel.load(a.profile)
+    if a.probe:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"profile": a.profile, "probe": probe(cost, a, a.out.parent)}, indent=1) + "\n")
+        return
     configs = a.configs.split(",")
     out_dir = a.out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -274,8 +352,12 @@ def main() -> None:
         for rnd in range(a.rounds):
             for c in configs:
                 tag = f"{c.replace(':', '-')}-r{rnd + 1}"
-                m = measure(c, a, out_dir, tag)
+                m = measure(c, a, out_dir, tag, cost)
+                m["predicted_at_slowdown"] = predict(cost.scaled(m["slowdown"]), c, a)
                 res["configs"][c]["measured"].append(m)
+                q = m["predicted_at_slowdown"]["ttft_s"]
+                print(f"{c} round {rnd + 1}: slowdown {m['slowdown']}, predicted at it p50 {q['p50']:.3f} p90 "
+                      f"{q['p90']:.3f}", flush=True)
                 print(f"{c} round {rnd + 1}: measured TTFT p50 {m['ttft_s']['p50']:.3f} s p90 "
                       f"{m['ttft_s']['p90']:.3f} s, load {m['loadavg_1m_mean']}, CPU s {m['cpu_s']} "
                       f"(predicted busy s {res['configs'][c]['predicted']['busy_s']})", flush=True)
@@ -284,7 +366,11 @@ def main() -> None:
         p = r["predicted"]["ttft_s"]
         r["error"] = [{"p50": rel_err(p["p50"], m["ttft_s"]["p50"]), "p90": rel_err(p["p90"], m["ttft_s"]["p90"])}
                       for m in r["measured"]]
-        print(f"{c}: error per round {r['error']}")
+        r["error_at_slowdown"] = [
+            {"slowdown": m["slowdown"],
+             "p50": rel_err(m["predicted_at_slowdown"]["ttft_s"]["p50"], m["ttft_s"]["p50"]),
+             "p90": rel_err(m["predicted_at_slowdown"]["ttft_s"]["p90"], m["ttft_s"]["p90"])} for m in r["measured"]]
+        print(f"{c}: error per round {r['error']}; with the measured slowdown {r['error_at_slowdown']}")
     a.out.write_text(json.dumps(res, indent=1) + "\n")
 
 

@@ -298,3 +298,15 @@ class CalibratedCostModel:
         """A copy whose ``kv_capacity_tokens`` is ``num_tokens`` (the engine's L1 size)."""
         from dataclasses import replace
         return replace(self, kv_capacity_tokens=int(num_tokens))
+
+    def scaled(self, factor: float) -> "CalibratedCostModel":
+        """A copy whose every time (steps and transfers) is ``factor`` times longer: the machine
+        slowed down by others sharing it (``factor`` measured at the time, see
+        ``benchmarks/predict_live_ttft.py``). Raises ``ValueError`` for ``factor <= 0``."""
+        from dataclasses import replace
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        p, d = self.prefill_coef, self.decode_coef
+        return replace(self, prefill_coef=(p[0] * factor, p[1] * factor, p[2] * factor),
+                       decode_coef=(d[0] * factor, d[1] * factor, d[2] * factor),
+                       links={t: Link(ln.bytes_per_s / factor, ln.latency_s * factor) for t, ln in self.links.items()})

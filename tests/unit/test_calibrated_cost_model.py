@@ -95,6 +95,16 @@ def test_model_interface():
         CalibratedCostModel.from_dict(doc).transfer_time_s("L3", 1)
 
 
+def test_scaled_multiplies_every_time():
+    cm = CalibratedCostModel.from_dict(_synthetic_doc())
+    s = cm.scaled(2.5)
+    assert s.prefill_time_s(300, 700) == pytest.approx(2.5 * cm.prefill_time_s(300, 700))
+    assert s.step_time_s(((64, 0),), 900, 3) == pytest.approx(2.5 * cm.step_time_s(((64, 0),), 900, 3))
+    assert s.transfer_time_s("L3", 1e9) == pytest.approx(2.5 * cm.transfer_time_s("L3", 1e9))
+    with pytest.raises(ValueError):
+        cm.scaled(0)
+
+
 @pytest.mark.parametrize("mutate,msg", [
     (lambda d: d.update(format="other/1"), "format must be"),
     (lambda d: d["prefill"]["coef"].pop("b_s_per_token"), "prefill.coef.b_s_per_token"),
