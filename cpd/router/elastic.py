@@ -13,7 +13,9 @@ leaks no block.
 
 ``POST /cpd/role`` (:class:`RoleAssignment`; signed with the internal secret like
 ``/cpd/register``) forces a change through the same path (operators, tests); it works with
-``router.elastic`` off too.
+``router.elastic`` off too. A change the planner did not make (forced, or adopted from the worker
+or from a restarted side) starts that worker's minimum dwell too: the planner notes it at its next
+round (:meth:`ElasticRoles.plan_once`), so it never moves a worker straight back.
 
 Every change is logged, counted (``cpd_role_changes_total{from_role,to_role}``; workers per role:
 ``cpd_workers{role}``) and shown in ``/cpd/workers`` (``last_role_change``).
@@ -48,6 +50,7 @@ class ElasticRoles:
         self.cfg = cfg
         self.metrics = metrics
         self.state = PlannerState()
+        self._epochs = {wid: w.role_epoch for wid, w in workers.by_id.items()}  # role changes seen
         self.num_plans = 0
         self.last_error: str | None = None
 
@@ -68,6 +71,7 @@ class ElasticRoles:
     async def plan_once(self, client: httpx.AsyncClient, now_s: float | None = None) -> list[RoleChange]:
         """One planning round: observe, plan, apply. Returns the changes applied."""
         now = time.monotonic() if now_s is None else now_s
+        self._note_outside_changes(now)
         obs = self.window.observation(now, self.workers.snapshots())
         changes, self.state = plan_roles(obs, self.state, self.cfg)
         self.num_plans += 1
@@ -75,7 +79,16 @@ class ElasticRoles:
         for c in changes:
             if await self.apply(client, c.worker_id, str(c.to_role), f"planner: {c.reason}"):
                 applied.append(c)
+        self._epochs = {wid: w.role_epoch for wid, w in self.workers.by_id.items()}  # ours are in the state
         return applied
+
+    def _note_outside_changes(self, now: float) -> None:
+        """Workers whose role changed since the last round without the planner (``role_epoch``
+        moved): their dwell starts now (at most one interval after the change: conservative)."""
+        changed = {wid: now for wid, w in self.workers.by_id.items()
+                   if w.role_epoch != self._epochs.get(wid, w.role_epoch)}
+        if changed:
+            self.state = PlannerState({**self.state.last_change_s, **changed})
 
     async def apply(self, client: httpx.AsyncClient, worker_id: str, to_role: str, reason: str) -> bool:
         return (await apply_role_change(client, self.workers, worker_id, to_role, reason))[0]

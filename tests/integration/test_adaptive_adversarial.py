@@ -28,7 +28,7 @@ from cpd.policy.routing import DecisionReason, LinearCostModel, LoadPlan, RouteD
 from cpd.router.compat import Requirements, refusal_reason, reported_role_swap
 from cpd.router.decode_relay import DecodeFailed, relay_decode
 from cpd.router.dispatch import CPDBackend, _Run
-from cpd.router.elastic import ElasticRoles
+from cpd.router.elastic import ElasticRoles, apply_role_change
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
@@ -236,3 +236,33 @@ def test_elastic_roles_follow_a_flipping_load_without_oscillating(caplog):
     assert counted == len(applied)
     logged = [r for r in caplog.records if r.name == "cpd.router" and " role " in r.getMessage()]
     assert len(logged) == len(applied)
+
+
+def test_a_forced_role_change_starts_the_workers_dwell_too():
+    """An operator moves ``p1`` to pre-prefill (``POST /cpd/role``'s path) under a warm-heavy load:
+    the planner, which would move one pre-prefill worker back to prefill, never picks ``p1`` before
+    its minimum dwell has passed (it would otherwise: ``p1`` sorts first among idle workers)."""
+    ids = {"pp0": Role.PRE_PREFILL, "p0": Role.PREFILL, "p1": Role.PREFILL}
+    states = {wid: WorkerState(role, wid, None, None, None, None, None) for wid, role in ids.items()}
+    mounts = {f"http://{wid}": httpx.ASGITransport(app=build_app(st)) for wid, st in states.items()}
+    ws = WorkerSet([_worker(wid, str(role)) for wid, role in ids.items()])
+    window = RoleWindow(window_s=10.0, ttft_slo_s=1.0)
+    loop = ElasticRoles(ws, window, PlannerConfig(interval_s=1.0, min_dwell_s=20.0, hysteresis=0.2), RouterMetrics())
+    moved: list[tuple[float, str]] = []
+
+    async def main():
+        async with httpx.AsyncClient(mounts=mounts) as client:
+            ok, _ = await apply_role_change(client, ws, "p1", "pre-prefill", "forced via POST /cpd/role")
+            assert ok and states["p1"].role == Role.PRE_PREFILL
+            for s in range(30):
+                now = 100.0 + s
+                for _ in range(6):
+                    window.observe_dispatch(now, _decision(False), 0.5)
+                for role in (Role.PRE_PREFILL, Role.PREFILL):
+                    window.observe_prefill_done(now, role, 0.1, 0.5)
+                moved.extend((now, c.worker_id) for c in await loop.plan_once(client, now_s=now))
+
+    asyncio.run(main())
+    assert moved, "the planner should move a pre-prefill worker to the busy prefill pool"
+    assert all(wid != "p1" or now >= 100.0 + 20.0 for now, wid in moved), moved
+    assert moved[0][1] == "pp0", moved
