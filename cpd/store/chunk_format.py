@@ -15,6 +15,7 @@ data is never returned.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -32,7 +33,12 @@ _U64 = struct.Struct("<Q")
 
 def block_desc(block: np.ndarray) -> str:
     """``"<dtype.str>:<shape>"`` of one block, e.g. ``"<f4:2,2,16,4,8"``."""
-    return f"{block.dtype.str}:{','.join(str(d) for d in block.shape)}"
+    return _desc(block.dtype.str, block.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _desc(dtype_str: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype_str}:{','.join(str(d) for d in shape)}"
 
 
 def parse_desc(desc: str) -> tuple[np.dtype, tuple[int, ...]]:
