@@ -17,7 +17,8 @@ BS = 16
 COST = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0, l2_bytes_per_s=1e10,
                        l3_bytes_per_s=1e9, l3_overhead_s=1e-3)
 CFG = RoutingConfig(topology=Topology.CPD, block_size=BS, mode=RoutingMode.ADAPTIVE, ttft_slo_s=2.0)
-HEAVY_TOKENS = 1600   # 1.6 s of own work on any worker (> heavy threshold 0.5 s)
+HEAVY_TOKENS = 1600   # 1.6 s of own work on any worker (> heavy threshold 1.0 s, half the SLO)
+SPILLABLE = 1200      # 1.2 s: heavy, but small enough to share the prefill pool when it must
 SHORT_TOKENS = 3200   # with 3136 cached tokens: 64 new tokens, ~0.07 s
 
 
@@ -109,26 +110,27 @@ def test_short_work_spills_to_an_idle_pre_prefill_worker_when_it_finishes_clearl
 
 
 def test_heavy_work_stays_home_while_it_meets_the_slo():
-    d = route(1000, PrefixMatch(), _cluster(pp=(0.9,), p=(0.0, 0.0)), CFG, COST)  # 1.9 s at home vs 1.0 s
+    d = route(SPILLABLE, PrefixMatch(), _cluster(pp=(0.7,), p=(0.0, 0.0)), CFG, COST)  # 1.9 s at home vs 1.2 s
     assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME
 
 
 def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
-    """Pre-prefill saturated: heavy work takes a prefill worker when another prefill worker keeps
-    room for short work; with a single prefill worker it would block short work: stays home."""
-    two = route(1000, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0, 0.0)), CFG, COST)
-    assert (two.pool, two.reason, two.request_class) == (Role.PREFILL, DecisionReason.SPILL_COLD, RequestClass.COLD)
-    assert two.write_through  # cold writes through wherever it runs
-    one = route(1800, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0,)), CFG, COST)
+    """Pre-prefill saturated: heavy work takes a prefill worker when the prefill pool keeps a worker
+    whose queue stays within the SLO; with one prefill worker whose queue it would push past the
+    SLO it stays home."""
+    two = route(SPILLABLE, PrefixMatch(), _cluster(pp=(8.0,), p=(0.5, 0.0)), CFG, COST)
+    assert (two.pool, two.prefill_worker, two.reason) == (Role.PREFILL, "p1", DecisionReason.SPILL_COLD)
+    assert two.request_class == RequestClass.COLD and two.write_through  # cold writes through wherever it runs
+    one = route(1800, PrefixMatch(), _cluster(pp=(8.0,), p=(0.5,)), CFG, COST)  # 0.5 + 1.8 > 2
     assert one.pool == Role.PRE_PREFILL and one.reason == DecisionReason.HOME
-    small = route(1000, PrefixMatch(), _cluster(pp=(8.0,), p=(0.0,)), CFG, COST)  # 1.0 + 0.5 <= 2
+    small = route(SPILLABLE, PrefixMatch(), _cluster(pp=(8.0,), p=(0.5,)), CFG, COST)  # 0.5 + 1.2 <= 2
     assert small.pool == Role.PREFILL and small.reason == DecisionReason.SPILL_COLD
 
 
 @settings(max_examples=300, deadline=None)
 @given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), heavy=st.booleans())
 def test_spill_needs_more_than_the_margin_and_heavy_work_a_missed_slo(home_q, other_q, heavy):
-    n, match = (1000, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
+    n, match = (SPILLABLE, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
     home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
     ws = [_w("h", home, home_q), _w("o", other, other_q), _w("o2", other, other_q), _w("d0", Role.DECODE)]
     d = route(n, match, ws, CFG, COST)
@@ -146,7 +148,7 @@ def test_spill_needs_more_than_the_margin_and_heavy_work_a_missed_slo(home_q, ot
 @given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), extra=st.floats(0, 5), heavy=st.booleans())
 def test_spill_is_monotone_in_the_home_queue(home_q, other_q, extra, heavy):
     """No flapping from the decision itself: a longer home queue never turns a spill back home."""
-    n, match = (1000, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
+    n, match = (SPILLABLE, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
     home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
 
     def pool(q: float) -> Role:
@@ -164,7 +166,7 @@ def _replay(kinds: str, gap_s: float, queues: dict[str, float], cfg: RoutingConf
     for i in range(len(kinds)):
         for w in queues:
             queues[w] = max(0.0, queues[w] - gap_s)
-        n, match = (1000, PrefixMatch()) if kinds[i] == "h" else (SHORT_TOKENS, _short_match())
+        n, match = (SPILLABLE, PrefixMatch()) if kinds[i] == "h" else (SHORT_TOKENS, _short_match())
         ws = [_w(w, Role.PRE_PREFILL if w.startswith("pp") else Role.PREFILL, q) for w, q in queues.items()]
         d = route(n, match, ws, cfg, COST)
         queues[d.prefill_worker] += _by_id(d)[d.prefill_worker].own_s
@@ -173,7 +175,7 @@ def _replay(kinds: str, gap_s: float, queues: dict[str, float], cfg: RoutingConf
 
 
 def test_steady_sustainable_load_never_spills():
-    """Heavy work (1 s each) every 2.5 s on pre-prefill, short work (0.07 s) in between: both pools
+    """Heavy work (1.2 s each) every 2.5 s on pre-prefill, short work (0.07 s) in between: both pools
     keep up, so every decision after the first is HOME, whatever the queues do in between."""
     ds = _replay("hssss" * 40, 0.5, {"pp0": 0.0, "p0": 0.0, "p1": 0.0})
     assert all(d.reason == DecisionReason.HOME for d in ds)
@@ -183,7 +185,7 @@ def test_steady_sustainable_load_never_spills():
 def test_steady_overload_settles_into_a_fixed_pattern():
     """Heavy work at 1.25x the pre-prefill capacity: spilling absorbs the excess; queues stay
     bounded and the spill share settles (the same in every later window) instead of swinging."""
-    ds = _replay("h" * 400, 0.8, {"pp0": 0.0, "p0": 0.0, "p1": 0.0})
+    ds = _replay("h" * 400, 0.96, {"pp0": 0.0, "p0": 0.0, "p1": 0.0})
     spills = [d.reason == DecisionReason.SPILL_COLD for d in ds]
     windows = [sum(spills[i:i + 50]) for i in range(100, 400, 50)]
     assert max(windows) - min(windows) <= 2 and 0 < windows[0] < 50
@@ -339,6 +341,6 @@ def test_static_mode_ignores_the_adaptive_settings(slo, margin, factor, append, 
     assert route(n, match, ws, static, COST).reason in (DecisionReason.STATIC, DecisionReason.FALLBACK)
 
 
-def test_heavy_threshold_default_is_a_quarter_of_the_slo():
-    assert heavy_uncached_s(CFG) == 0.5
+def test_heavy_threshold_default_is_half_the_slo():
+    assert heavy_uncached_s(CFG) == 1.0
     assert heavy_uncached_s(dataclasses.replace(CFG, heavy_uncached_s=0.1)) == 0.1
