@@ -206,7 +206,9 @@ class Ack(msgspec.Struct, frozen=True):
 
 class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
     """Any non-200 answer: ``code`` is machine-readable where the router acts on it
-    (``handoff_stale`` 410, ``handoff_unavailable`` 502)."""
+    (``handoff_stale`` 410, ``handoff_unavailable`` 502) or a caller may (409:
+    ``role_change_refused``, ``wrong_role`` for an append on a worker that is not a decode worker,
+    ``duplicate_request_id`` for the id of a request in flight on that worker)."""
 
     error: str
     code: str | None = None

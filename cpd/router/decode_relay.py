@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import AsyncGenerator, Callable
 
 import httpx
 
@@ -38,7 +39,7 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
                        w: WorkerInfo, slots: asyncio.Semaphore, body: DecodeRequest | AppendRequest,
                        staging_deadline: float, kv_bytes: int, path: str = "/decode",
                        on_first_line: Callable[[DecodeLine], None] | None = None,
-                       first_token_deadline: float | None = None) -> AsyncIterator[GenerationChunk]:
+                       first_token_deadline: float | None = None) -> AsyncGenerator[GenerationChunk, None]:
     """Take a decode slot on ``w`` (waiting at most until ``staging_deadline``, router monotonic
     clock), send ``body`` to ``path`` (``/decode``, or ``/append`` for a decode-local append) and
     yield its tokens until the finish reason; ``on_first_line`` sees the first line first.
@@ -61,10 +62,12 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
         r = await asyncio.wait_for(client.send(http_req, stream=True), timeouts.connect_s + first_byte_s)
         if r.status_code != 200:
             await _decode_refused(metrics, w.worker_id, r)
-        async for chunk in _lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line, first_token_deadline):
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+        async with aclosing(_lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line,
+                                   first_token_deadline)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
     except (httpx.TransportError, asyncio.TimeoutError) as e:
         raise DecodeFailed(f"{type(e).__name__}: {e}", worker_failed=True) from e
     finally:
@@ -76,7 +79,7 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
 
 async def _lines(r: httpx.Response, idle_s: float, worker_id: str,
                  on_first_line: Callable[[DecodeLine], None] | None = None,
-                 first_deadline: float | None = None) -> AsyncIterator[GenerationChunk]:
+                 first_deadline: float | None = None) -> AsyncGenerator[GenerationChunk, None]:
     """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped), the
     first one with content by ``first_deadline`` (monotonic) when given."""
     lines = r.aiter_lines().__aiter__()

@@ -50,8 +50,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, cast
+from typing import TYPE_CHECKING, AsyncGenerator, cast
 
 import httpx
 
@@ -201,7 +202,7 @@ class CPDBackend:
                 return time.monotonic() - t0, False
             await asyncio.sleep(min(RAW_POLL_S, left))
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         if self.in_flight >= self.max_in_flight:
             self.metrics.requests.labels("rejected").inc()
             raise BackendError("too many requests in flight", 429, "rate_limit_exceeded", retry_after_s=1)
@@ -209,10 +210,11 @@ class CPDBackend:
         self.metrics.in_flight.inc()
         outcome = "error"
         try:
-            async for chunk in self._generate(req):
-                yield chunk
-                if chunk.finish_reason is not None:
-                    outcome = "ok"
+            async with aclosing(self._generate(req)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        outcome = "ok"
         except BackendError as e:
             if e.status == 429:  # refused (SLO-predictive admission), not failed
                 outcome = "rejected"
@@ -226,15 +228,16 @@ class CPDBackend:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
 
-    async def _generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, req: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         run = _Run(req)
         d, hashes = await self._decide_first(run)
         if d.decode_append:
             sent = False
             try:
-                async for chunk in self._append(run, d):
-                    sent = True
-                    yield chunk
+                async with aclosing(self._append(run, d)) as chunks:
+                    async for chunk in chunks:
+                        sent = True
+                        yield chunk
                 return
             except (DecodeFailed, BackendError) as e:
                 if sent and isinstance(e, BackendError):
@@ -251,11 +254,12 @@ class CPDBackend:
                 first = None
         else:
             first = (d, hashes)
-        async for chunk in self._disaggregated(run, first):
-            yield chunk
+        async with aclosing(self._disaggregated(run, first)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _disaggregated(self, run: _Run, first: tuple[RouteDecision, list[BlockHash]] | None
-                             ) -> AsyncIterator[GenerationChunk]:
+                             ) -> AsyncGenerator[GenerationChunk, None]:
         """Prefill on a prefill-side worker, hand off, decode on a decode worker."""
         req = run.req
         pre = await self._prefill_with_retry(run, first=first)
@@ -275,13 +279,14 @@ class CPDBackend:
             return
         n_out = len(ans.first_token_ids)
         t_first = time.monotonic()
-        async for chunk in self._decode_with_retry(run, pre):
-            n_out += len(chunk.token_ids)
-            yield chunk
+        async with aclosing(self._decode_with_retry(run, pre)) as chunks:
+            async for chunk in chunks:
+                n_out += len(chunk.token_ids)
+                yield chunk
         if n_out > 1:
             self.metrics.tpot_s.observe((time.monotonic() - t_first) / (n_out - 1))
 
-    async def _append(self, run: _Run, d: RouteDecision) -> AsyncIterator[GenerationChunk]:
+    async def _append(self, run: _Run, d: RouteDecision) -> AsyncGenerator[GenerationChunk, None]:
         """Decode-local append: the whole generation on ``d.decode_worker`` (``POST /append``).
         Its predicted prefill counts in that worker's queue until the first token. Raises
         :class:`DecodeFailed` when the worker fails (the caller reroutes if nothing was sent)."""
@@ -310,21 +315,22 @@ class CPDBackend:
         n_out, t_first, started = 0, 0.0, False
         outcome = "error"  # once started: ok (finished, or a stop string matched), cancelled or error
         try:
-            async for chunk in relay_decode(self.client, self.timeouts, self.metrics, w,
-                                            self.decode_slots[w.worker_id], body, deadline, 0,
-                                            path="/append", on_first_line=first.append,
-                                            first_token_deadline=deadline):
-                if not started:
-                    started = True
-                    unqueue()
-                    t_first = time.monotonic()
-                    self._record_append(run, d, first[0], t_first - run.t0, n)
-                    chunk = replace(chunk, num_cached_tokens=min(n, sum((first[0].num_cached_tokens_by_tier
-                                                                         or {}).values())))
-                n_out += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    outcome = "ok"
-                yield chunk
+            async with aclosing(relay_decode(self.client, self.timeouts, self.metrics, w,
+                                             self.decode_slots[w.worker_id], body, deadline, 0,
+                                             path="/append", on_first_line=first.append,
+                                             first_token_deadline=deadline)) as chunks:
+                async for chunk in chunks:
+                    if not started:
+                        started = True
+                        unqueue()
+                        t_first = time.monotonic()
+                        self._record_append(run, d, first[0], t_first - run.t0, n)
+                        chunk = replace(chunk, num_cached_tokens=min(n, sum((first[0].num_cached_tokens_by_tier
+                                                                             or {}).values())))
+                    n_out += len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        outcome = "ok"
+                    yield chunk
         except (GeneratorExit, asyncio.CancelledError):
             if outcome != "ok":  # closed after its last chunk is still a finished append
                 outcome = "ok" if req.control.stop_matched else "cancelled"
@@ -443,7 +449,7 @@ class CPDBackend:
                                                   time.monotonic() - run.t0)
         return ans
 
-    async def _decode_with_retry(self, run: _Run, pre: _Prefilled) -> AsyncIterator[GenerationChunk]:
+    async def _decode_with_retry(self, run: _Run, pre: _Prefilled) -> AsyncGenerator[GenerationChunk, None]:
         """Decode from ``pre``'s handoff. A failure before the first decoded token is retried:
         a decode worker that failed (transport error, timeout) is excluded and the same staging
         is fetched by another one; a staging that is gone (stale, sender unreachable) is
@@ -456,9 +462,10 @@ class CPDBackend:
         try:
             for attempt in range(self.timeouts.max_decode_attempts):
                 try:
-                    async for chunk in self._decode(run, decode_worker, staged, token_ids, num_generated):
-                        sent = True
-                        yield chunk
+                    async with aclosing(self._decode(run, decode_worker, staged, token_ids, num_generated)) as chunks:
+                        async for chunk in chunks:
+                            sent = True
+                            yield chunk
                     return
                 except DecodeFailed as e:
                     if e.worker_failed:
@@ -498,7 +505,7 @@ class CPDBackend:
         return pre
 
     def _decode(self, run: _Run, worker_id: str, pre: _Prefilled, token_ids: list[int],
-                num_generated: int) -> AsyncIterator[GenerationChunk]:
+                num_generated: int) -> AsyncGenerator[GenerationChunk, None]:
         """One ``POST /decode`` stream (:func:`cpd.router.decode_relay.relay_decode`)."""
         req, w = run.req, self.workers.by_id[worker_id]
         assert pre.handoff is not None

@@ -74,6 +74,10 @@ class StepHealth:
                 "num_failed_steps": self.num_failed_steps, "last_error": self.last_error}
 
 
+class DuplicateRequestId(ValueError):
+    """A request id that is already in flight on this worker (the caller answers 409)."""
+
+
 class EngineRunner:
     """Runs ``engine.step()`` in a dedicated thread while there is work."""
 
@@ -95,10 +99,21 @@ class EngineRunner:
         return self.step_health.report(time.monotonic())
 
     def open_stream(self, request_id: str) -> RequestStream:
+        """The output stream of a new request.
+
+        Raises:
+            DuplicateRequestId: a request with this id is in flight here (replacing its stream
+                would cut it off from its outputs)."""
         s = RequestStream(asyncio.Queue(), asyncio.get_running_loop())
         with self._streams_lock:
+            if request_id in self._streams:
+                raise DuplicateRequestId(f"request id {request_id!r} is already in flight on this worker")
             self._streams[request_id] = s
         return s
+
+    def in_flight(self, request_id: str) -> bool:
+        with self._streams_lock:
+            return request_id in self._streams
 
     def close_stream(self, request_id: str) -> None:
         with self._streams_lock:

@@ -49,7 +49,7 @@ from cpd.messages.worker_api import (Ack, AppendRequest, DecodeLine, DecodeReque
                                      PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
                                      WorkerInfoReport, decode_body, encode)
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
-from cpd.worker.runtime import EngineRunner
+from cpd.worker.runtime import DuplicateRequestId, EngineRunner
 
 log = logging.getLogger("cpd.worker")
 
@@ -283,6 +283,8 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
                              cache_salt=body.cache_salt, mode="prefill", max_l3_blocks=body.max_l3_blocks,
                              write_through=body.write_through)
         stream = st.runner.submit(ereq)
+    except DuplicateRequestId as e:
+        return _error(str(e), 409, "duplicate_request_id")
     except (TypeError, ValueError) as e:
         return _error(f"bad prefill request: {e!r}", 400)
     try:
@@ -365,6 +367,8 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
     from cpd.worker.handoff import HandoffStaleError
     rid = body.request_id
     handle = body.handoff
+    if st.runner.in_flight(rid):  # never touch another request's stream (or its staging)
+        return _error(f"request id {rid!r} is already in flight on this worker", 409, "duplicate_request_id")
     try:
         kv = await asyncio.to_thread(st.receiver.fetch, handle)
     except HandoffStaleError as e:  # released, reclaimed or restaged: never decode over it
@@ -372,7 +376,10 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
     except Exception as e:  # sender gone or bad handle: the router re-prefills elsewhere
         asyncio.create_task(_release(st, handle))
         return _error(f"handoff fetch failed: {e!r}", 502, "handoff_unavailable")
-    stream = st.runner.open_stream(rid)
+    try:
+        stream = st.runner.open_stream(rid)
+    except DuplicateRequestId as e:  # the same id arrived meanwhile
+        return _error(str(e), 409, "duplicate_request_id")
 
     def add():  # the engine takes the numpy KV as its own kind of array (no torch in a modeled worker)
         with st.runner.engine_lock:
@@ -395,6 +402,8 @@ def _append(st: WorkerState, body: AppendRequest, request: Request) -> Response:
     try:
         stream = st.runner.submit(EngineRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids,
                                                 sampling=body.sampling, cache_salt=body.cache_salt, mode="full"))
+    except DuplicateRequestId as e:
+        return _error(str(e), 409, "duplicate_request_id")
     except (TypeError, ValueError) as e:
         return _error(f"bad append request: {e!r}", 400)
     return StreamingResponse(_append_stream(st, rid, stream, request), media_type="application/x-ndjson")

@@ -315,6 +315,15 @@ def test_hostile_bodies_get_a_clear_4xx(dep):
     assert {k: v["role"] for k, v in _get(dep, "/cpd/workers").items()} == roles
     for w in dep.workers:
         assert httpx.get(f"{w['url']}/info", auth=auth, timeout=5).json()["role"] == w["role"]
+    # the id of a request in flight, reused: 409, and the request in flight keeps its stream
+    long = {**append, "request_id": "dup-1", "sampling": {"max_tokens": 300, "ignore_eos": True}}
+    with httpx.stream("POST", f"{url['d1']}/append", json=long, auth=auth, timeout=60) as first:
+        lines = first.iter_lines()
+        assert json.loads(next(line for line in lines if line))["token_ids"]
+        r = httpx.post(f"{url['d1']}/append", json=long, auth=auth, timeout=10)
+        assert (r.status_code, r.json().get("code")) == (409, "duplicate_request_id"), r.text
+        rest = [json.loads(line) for line in lines if line]
+    assert rest[-1]["finish_reason"] == "length" and 1 + sum(len(x["token_ids"]) for x in rest) == 300
 
 
 def _wait_role(dep, worker_id: str, role: str, timeout_s: float = 60.0) -> dict:
