@@ -129,8 +129,11 @@ def _movable(obs: RoleObservation, state: PlannerState, cfg: PlannerConfig, role
 def _describe(obs: RoleObservation, counts: Mapping[Role, int], demand: Mapping[Role, float], dst: Role) -> str:
     """Measured context appended to every reason."""
     p = _pool(obs, dst)
+    total = demand[Role.PRE_PREFILL] + demand[Role.PREFILL]
+    share = demand[Role.PRE_PREFILL] / total if total > 0 else 0.0
     return (f"cold work {demand[Role.PRE_PREFILL]:.2f} s/s on {counts[Role.PRE_PREFILL]} pre-prefill, "
-            f"warm work {demand[Role.PREFILL]:.2f} s/s on {counts[Role.PREFILL]} prefill; "
+            f"warm work {demand[Role.PREFILL]:.2f} s/s on {counts[Role.PREFILL]} prefill "
+            f"(cold share {share:.0%}); "
             f"{dst} p90 wait {p.wait_s_p90:.2f} s, TTFT SLO attainment {p.ttft_slo_attainment:.2f}")
 
 
