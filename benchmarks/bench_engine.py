@@ -19,6 +19,10 @@ Output (``--json FILE``)::
      "decode": {"BxC": {"cpd_ms", "transformers_ms", "ratio"[, "llama_cpp_ms", "llama_cpp_ratio"]}},
      "settings": {...}}
 
+Every figure is also given per CPU second of the benchmark process (``time.process_time``,
+``cpu_ratio``): on a shared machine the wall clock also counts time the process waited for a
+core; with ``--threads 1`` the CPU time is the work itself.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_engine.py [--dtype auto] [--threads 2] [--reps 3]
@@ -40,6 +44,20 @@ from cpd.engine.engine import Engine, EngineRequest
 from cpd.engine.sampling import SamplingParams
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.engine.weights import default_model_dir
+
+
+def _now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) since ``t0`` (a :func:`_now`)."""
+    return time.perf_counter() - t0[0], time.process_time() - t0[1]
+
+
+def _med(laps: list[tuple[float, float]], cpu: bool = False) -> float:
+    """Median wall (or CPU) seconds of the laps."""
+    return statistics.median(x[1 if cpu else 0] for x in laps)
 
 
 def _prompts(seed: int, batch: int, n: int, vocab: int) -> list[list[int]]:
@@ -68,17 +86,17 @@ class CpdSide:
         self.engine.executor.seq_kv.max_bytes = None if on else 0
         self.engine.executor.seq_kv.reset()
 
-    def prefill_s(self, prompts: list[list[int]]) -> float:
+    def prefill_s(self, prompts: list[list[int]]) -> tuple[float, float]:
         e = self.engine
         e.reset_prefix_cache()
         for i, p in enumerate(prompts):
             e.add_request(EngineRequest(f"p{i}", p, SamplingParams(max_tokens=1, ignore_eos=True)))
-        t = time.perf_counter()
+        t = _now()
         while e.has_unfinished():
             e.step()
-        return time.perf_counter() - t
+        return _since(t)
 
-    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[float]:
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
         e = self.engine
         e.reset_prefix_cache()
         for i, p in enumerate(prompts):
@@ -88,9 +106,9 @@ class CpdSide:
             e.step()
         out = []
         for _ in range(steps):
-            t = time.perf_counter()
+            t = _now()
             e.step()
-            out.append(time.perf_counter() - t)
+            out.append(_since(t))
         while e.has_unfinished():
             e.step()
         return out
@@ -104,14 +122,14 @@ class HfSide:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def prefill_s(self, prompts: list[list[int]]) -> float:
+    def prefill_s(self, prompts: list[list[int]]) -> tuple[float, float]:
         ids = torch.tensor(prompts)
-        t = time.perf_counter()
+        t = _now()
         self.model(ids, use_cache=False, logits_to_keep=1)
-        return time.perf_counter() - t
+        return _since(t)
 
     @torch.inference_mode()
-    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[float]:
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
         from transformers import StaticCache
         ids = torch.tensor(prompts)
         B, C = ids.shape
@@ -123,11 +141,11 @@ class HfSide:
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         out = []
         for s in range(steps):
-            t = time.perf_counter()
+            t = _now()
             logits = self.model(nxt, past_key_values=cache, cache_position=torch.tensor([C + s]),
                                 use_cache=True).logits
             nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(time.perf_counter() - t)
+            out.append(_since(t))
         return out
 
 
@@ -142,15 +160,15 @@ class LlamaCppSide:
         gguf = sorted(glob.glob(f"{pkg}/**/*.gguf", recursive=True))[0]
         self.llm = Llama(model_path=gguf, n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
 
-    def decode_step_s(self, prompt: list[int], steps: int) -> list[float]:
+    def decode_step_s(self, prompt: list[int], steps: int) -> list[tuple[float, float]]:
         self.llm.reset()
         self.llm.eval(prompt)
         out = []
         tok = prompt[-1]
         for _ in range(steps):
-            t = time.perf_counter()
+            t = _now()
             self.llm.eval([tok])
-            out.append(time.perf_counter() - t)
+            out.append(_since(t))
         return out
 
 
@@ -181,6 +199,10 @@ def main() -> None:
         "dtype": str(dtype).replace("torch.", ""), "threads": a.threads, "reps": a.reps, "decode_steps": a.steps,
         "model": str(model_dir), "torch": torch.__version__, "loadavg_start": os.getloadavg()}}
     for b, n in pre:
+        if b == 1 and n >= cpd.engine.max_model_len:  # the prompt and one sampled token must fit
+            print(f"prefill {n}: measured at {cpd.engine.max_model_len - 1} tokens (max_model_len "
+                  f"{cpd.engine.max_model_len})", flush=True)
+            n = cpd.engine.max_model_len - 1
         c_s, h_s = [], []
         for r in range(a.reps + 1):  # the first repetition warms up and is dropped
             ps = _prompts(1000 * r + n, b, n, cpd.vocab)
@@ -189,9 +211,12 @@ def main() -> None:
                 c_s.append(c)
                 h_s.append(h)
         key = str(n) if b == 1 else f"{b}x{n}"
-        ct, ht = b * n / statistics.median(c_s), b * n / statistics.median(h_s)
-        res["prefill"][key] = {"cpd_tok_s": ct, "transformers_tok_s": ht, "ratio": ct / ht}
-        print(f"prefill {key:>7}: cpd {ct:8.1f} tok/s  transformers {ht:8.1f} tok/s  ratio {ct / ht:.2f}", flush=True)
+        ct, ht = b * n / _med(c_s), b * n / _med(h_s)
+        cc, hc = b * n / _med(c_s, True), b * n / _med(h_s, True)
+        res["prefill"][key] = {"cpd_tok_s": ct, "transformers_tok_s": ht, "ratio": ct / ht,
+                               "cpd_tok_per_cpu_s": cc, "transformers_tok_per_cpu_s": hc, "cpu_ratio": cc / hc}
+        print(f"prefill {key:>7}: cpd {ct:8.1f} tok/s  transformers {ht:8.1f} tok/s  ratio {ct / ht:.2f}"
+              f"  (per CPU second: {cc:8.1f} vs {hc:8.1f}, ratio {cc / hc:.2f})", flush=True)
     if a.chunked:
         n, chunk = (int(x) for x in a.chunked.split("/"))
         chunked = CpdSide(model_dir, dtype, max(n, 512), 1, chunk_tokens=chunk)
@@ -208,13 +233,14 @@ def main() -> None:
                 many.append(c)
             elif gath:
                 gath.pop()
-        ratio = statistics.median(one) / statistics.median(many)
-        res["prefill_chunked"] = {a.chunked: {"unchunked_tok_s": n / statistics.median(one),
-                                              "chunked_tok_s": n / statistics.median(many), "ratio": ratio}}
-        line = f"prefill {n} in {chunk}-token chunks vs one step: ratio {ratio:.2f}"
+        ratio = _med(one) / _med(many)
+        res["prefill_chunked"] = {a.chunked: {"unchunked_tok_s": n / _med(one), "chunked_tok_s": n / _med(many),
+                                              "ratio": ratio, "cpu_ratio": _med(one, True) / _med(many, True)}}
+        line = f"prefill {n} in {chunk}-token chunks vs one step: ratio {ratio:.2f} (CPU {_med(one, True) / _med(many, True):.2f})"
         if gath:
-            res["prefill_chunked"][a.chunked]["chunked_gather_tok_s"] = n / statistics.median(gath)
-            line += f" (chunks gathering the prefix: {statistics.median(one) / statistics.median(gath):.2f})"
+            res["prefill_chunked"][a.chunked].update(chunked_gather_tok_s=n / _med(gath),
+                                                     gather_cpu_ratio=_med(one, True) / _med(gath, True))
+            line += f"; chunks gathering the prefix: {_med(one) / _med(gath):.2f} (CPU {_med(one, True) / _med(gath, True):.2f})"
         print(line, flush=True)
         del chunked
     for b, n in dec:
@@ -230,15 +256,18 @@ def main() -> None:
             if lcpp is not None and b == 1:
                 l_s += lcpp.decode_step_s(ps[0], a.steps)[1:]
         key = f"{b}x{n}"
-        cm, hm = statistics.median(c_s) * 1e3, statistics.median(h_s) * 1e3
-        res["decode"][key] = {"cpd_ms": cm, "transformers_ms": hm, "ratio": hm / cm}
-        line = f"decode {key:>7}: cpd {cm:7.1f} ms  transformers(static) {hm:7.1f} ms  ratio {hm / cm:.2f}"
+        cm, hm = _med(c_s) * 1e3, _med(h_s) * 1e3
+        cc, hc = _med(c_s, True) * 1e3, _med(h_s, True) * 1e3
+        res["decode"][key] = {"cpd_ms": cm, "transformers_ms": hm, "ratio": hm / cm,
+                              "cpd_cpu_ms": cc, "transformers_cpu_ms": hc, "cpu_ratio": hc / cc}
+        line = (f"decode {key:>7}: cpd {cm:7.1f} ms  transformers(static) {hm:7.1f} ms  ratio {hm / cm:.2f}"
+                f"  (CPU ms {cc:7.1f} vs {hc:7.1f}, ratio {hc / cc:.2f})")
         if g_s:
-            gm = statistics.median(g_s) * 1e3
-            res["decode"][key]["cpd_gather_ms"] = gm
-            line += f"  cpd gathering blocks {gm:7.1f} ms"
+            gm, gc = _med(g_s) * 1e3, _med(g_s, True) * 1e3
+            res["decode"][key].update(cpd_gather_ms=gm, cpd_gather_cpu_ms=gc)
+            line += f"  cpd gathering blocks {gm:7.1f} ms (CPU {gc:7.1f})"
         if l_s:
-            lm = statistics.median(l_s) * 1e3
+            lm = _med(l_s) * 1e3
             res["decode"][key].update(llama_cpp_ms=lm, llama_cpp_ratio=lm / cm)
             line += f"  llama.cpp {lm:7.1f} ms  ratio {lm / cm:.2f}"
         print(line, flush=True)

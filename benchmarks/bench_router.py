@@ -8,15 +8,20 @@ Two cases per prompt length, interleaved:
 * ``grown``: a session's next turn (the previous prompt + 256 new tokens), whose already
   hashed prefix comes from the hash cache (``cpd.kv.block_hash``).
 
+Times are wall clock (p50, p99); ``cpu_p50_ms`` is the process CPU time of a cold decision
+(on a shared machine the wall clock also counts waiting for a core). ``--breakdown`` also times the three parts of a cold decision separately (hashing, index
+match, policy), interleaved with the whole decisions, and the hashing cost per block.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_router.py [--lengths 2048,32768,131072] [--reps 30]
-        [--indexed-blocks 1000000] [--json out.json]
+        [--indexed-blocks 1000000] [--breakdown] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -53,6 +58,18 @@ def decide(idx: PrefixIndex, tokens: list[int], loads, cfg, cost):
     return route(len(tokens), m, loads, cfg, cost)
 
 
+def decide_parts_ms(idx: PrefixIndex, tokens: list[int], loads, cfg, cost) -> tuple[float, float, float]:
+    """:func:`decide` timed part by part: (hash, match, route) milliseconds."""
+    t0 = time.perf_counter()
+    hs = hash_blocks(tokens, NS)
+    t1 = time.perf_counter()
+    m = idx.match(hs, l3_max_blocks=(len(tokens) - 1) // BS)
+    t2 = time.perf_counter()
+    route(len(tokens), m, loads, cfg, cost)
+    t3 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+
 def _seed_prompt(idx: PrefixIndex, tokens: list[int]) -> None:
     """Make the prompt's head warm somewhere: p0 holds half in L1, the next quarter in L2."""
     hs = hash_blocks(tokens, NS)
@@ -66,9 +83,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048,32768,131072")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--indexed-blocks", type=int, default=1_000_000)
+    ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rng = random.Random(0)
+    load0 = os.getloadavg()
     t0 = time.perf_counter()
     idx = build_index(a.indexed_blocks, rng)
     print(f"index built in {time.perf_counter() - t0:.1f} s: {idx.sizes()}")
@@ -77,27 +96,41 @@ def main() -> None:
     cfg, cost = RoutingConfig(block_size=BS), LinearCostModel(kv_bytes_per_token=18432)
     out: dict[str, dict] = {}
     for n in [int(x) for x in a.lengths.split(",")]:
-        cold_ms, grown_ms = [], []
+        cold_ms, grown_ms, cold_cpu_ms = [], [], []
+        parts: list[tuple[float, float, float]] = []
         session = [rng.randrange(50000) for _ in range(n - 256)]
         _seed_prompt(idx, session)
         decide(idx, session, loads, cfg, cost)
         for _ in range(a.reps):
             cold = [rng.randrange(50000) for _ in range(n)]
-            t = time.perf_counter()
+            t, tc = time.perf_counter(), time.process_time()
             decide(idx, cold, loads, cfg, cost)
             cold_ms.append((time.perf_counter() - t) * 1e3)
+            cold_cpu_ms.append((time.process_time() - tc) * 1e3)
             grown = session + [rng.randrange(50000) for _ in range(256)]
             t = time.perf_counter()
             d = decide(idx, grown, loads, cfg, cost)
             grown_ms.append((time.perf_counter() - t) * 1e3)
+            if a.breakdown:
+                parts.append(decide_parts_ms(idx, [rng.randrange(50000) for _ in range(n)], loads, cfg, cost))
         assert d.load_plan.l1_blocks > 0 and d.load_plan.l2_blocks > 0, d
         out[str(n)] = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(v)}
                        for k, v in (("cold", cold_ms), ("grown", grown_ms))}
+        out[str(n)]["cold"]["cpu_p50_ms"] = statistics.median(cold_cpu_ms)
         print(f"{n:>7} tokens: cold p50 {out[str(n)]['cold']['p50_ms']:.2f} ms p99 {out[str(n)]['cold']['p99_ms']:.2f}"
-              f" ms | grown p50 {out[str(n)]['grown']['p50_ms']:.2f} ms p99 {out[str(n)]['grown']['p99_ms']:.2f} ms")
+              f" ms | grown p50 {out[str(n)]['grown']['p50_ms']:.2f} ms p99 {out[str(n)]['grown']['p99_ms']:.2f} ms",
+              flush=True)
+        if parts:
+            names = ("hash", "match", "route")
+            bd = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(list(v))} for k, v in zip(names, zip(*parts))}
+            bd["hash"]["us_per_block"] = bd["hash"]["p50_ms"] * 1e3 / (n // BS)
+            out[str(n)]["cold_parts"] = bd
+            print("         cold parts p50: " + ", ".join(f"{k} {bd[k]['p50_ms']:.2f} ms" for k in names)
+                  + f" ({bd['hash']['us_per_block']:.2f} us/block hashed)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"router_decision": out, "indexed_blocks": idx.sizes()}, f, indent=1)
+            json.dump({"router_decision": out, "indexed_blocks": idx.sizes(), "loadavg_start": load0,
+                       "loadavg_end": os.getloadavg()}, f, indent=1)
 
 
 def _p99(v: list[float]) -> float:
