@@ -20,7 +20,8 @@ Rules:
 * A sequence absent from a step loses its row (preemption, finish, abort, a prefill-only
   step in between: the next use refills from the pool). A step with no such sequence
   releases the storage.
-* Capacity grows geometrically (tokens ×2, rounded to whole blocks; rows as needed). When
+* Capacity covers every token known of the row's sequences (a chunked prompt's later chunks
+  included) and grows geometrically (tokens ×2, rounded to whole blocks; rows as needed). When
   the storage a step needs would exceed ``max_bytes`` the arena is released and the step
   returns None: the model then gathers from the pool as before (correct, slower).
   :attr:`nbytes` is the memory held now, :attr:`peak_bytes` the most ever held.
@@ -106,7 +107,8 @@ class SeqKVArena:
                     keep[id(s.token_ids)] = row
         for key in [k for k in self._by_seq if k not in keep]:  # absent or invalid: drop
             del self._rows[self._by_seq.pop(key)]
-        need_tokens = max(s.num_computed + s.num_new for s, w in zip(seqs, want) if w)
+        # room for every token known now (a chunked prompt's later chunks: one allocation)
+        need_tokens = max(max(s.num_computed + s.num_new, len(s.token_ids)) for s, w in zip(seqs, want) if w)
         need_rows = sum(want)
         if not self._ensure(need_rows, need_tokens, bs, kv):
             self.num_fallbacks += 1
