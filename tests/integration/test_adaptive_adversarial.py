@@ -266,3 +266,35 @@ def test_a_forced_role_change_starts_the_workers_dwell_too():
     assert moved, "the planner should move a pre-prefill worker to the busy prefill pool"
     assert all(wid != "p1" or now >= 100.0 + 20.0 for now, wid in moved), moved
     assert moved[0][1] == "pp0", moved
+
+
+def test_a_lost_cancellation_after_a_disconnect_is_repeated():
+    """A client disconnect cancels the request's task; code that swallows that cancellation once
+    (``asyncio.wait_for`` before Python 3.12 does when the cancellation races with its result)
+    is cancelled again, so the block still ends soon after the client left."""
+    from cpd.router.openai_front.cancel import RECANCEL_S, CancelOnDisconnect, ClientGone
+
+    async def main() -> tuple[float, int]:
+        gone = asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        swallowed = 0
+        t0 = time.monotonic()
+        with pytest.raises(ClientGone):
+            async with CancelOnDisconnect(receive):
+                asyncio.get_running_loop().call_later(0.1, gone.set)
+                while time.monotonic() - t0 < 10:
+                    try:
+                        await asyncio.sleep(0.05)
+                    except asyncio.CancelledError:
+                        if swallowed:
+                            raise
+                        swallowed += 1  # lost once, as wait_for's race loses it
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        return time.monotonic() - t0, swallowed
+
+    took, swallowed = asyncio.run(main())
+    assert swallowed == 1 and took < 0.1 + RECANCEL_S + 1.0, took

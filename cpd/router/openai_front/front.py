@@ -302,6 +302,8 @@ class OpenAIFront:
                                     await emit(chunk(text, None))
                         if state.backend_finished:
                             await drain(aiter_)
+                except ClientGone:  # emit() after a disconnect: nobody to tell
+                    raise
                 except Exception as e:
                     if isinstance(e, BackendError):
                         err = {"error": {"message": e.message, "type": e.type, "param": None,

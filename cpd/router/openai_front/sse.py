@@ -39,11 +39,15 @@ class SSEResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
 
+        watch = CancelOnDisconnect(receive)
+
         async def emit(data: bytes) -> None:
+            if watch.gone:  # the client left (a lost cancellation must not keep the producer going)
+                raise ClientGone()
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         try:
-            async with CancelOnDisconnect(receive):
+            async with watch:
                 await self._producer(emit)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (ClientGone, OSError):
