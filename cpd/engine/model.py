@@ -415,8 +415,6 @@ class DecoderLayer(nn.Module):
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             elif n == 1:
                 o = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
-            elif own is not None and q.device.type == "cpu":
-                o = self._attend_chunk_split(qi, ki, vi, L - n)
             else:
                 prior = L - n
                 mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior)
@@ -430,28 +428,6 @@ class DecoderLayer(nn.Module):
         for qs, n, o in outs:
             attn[qs:qs + n] = o
         return attn
-
-    def _attend_chunk_split(self, qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, prior: int) -> torch.Tensor:
-        """A chunk of ``n`` queries on ``prior`` cached tokens (``qi [1, nh, n, d]``, ``ki``/``vi``
-        ``[1, nkv, prior + n, d]``) without computing the masked-out half: one fused call over
-        the prefix (no mask; the query group folded into the query length, so no KV copy) and
-        one causal call over the chunk itself, merged exactly by their log-sum-exps. With an
-        explicit bottom-right mask the CPU flash kernel computes all ``n × (prior + n)``
-        scores; this computes ``n × prior + n² / 2``, what the unchunked prefill computes for
-        the same rows. CPU only (the kernel that returns the log-sum-exp)."""
-        nh, nkv, d, n = self.nh, self.nkv, self.d, qi.shape[2]
-        g = nh // nkv
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o1, l1 = flash(qi.reshape(1, nkv, g * n, d), ki[:, :, :prior], vi[:, :, :prior], 0.0, False)
-        kc, vc = ki[:, :, prior:], vi[:, :, prior:]
-        if g > 1:
-            kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
-        o2, l2 = flash(qi, kc, vc, 0.0, True)
-        l1 = l1.reshape(1, nh, n)
-        m = torch.maximum(l1, l2)
-        w1, w2 = (l1 - m).exp_()[..., None], (l2 - m).exp_()[..., None]
-        o = (o1.reshape(1, nh, n, d).float() * w1 + o2.float() * w2) / (w1 + w2)
-        return o.to(qi.dtype)
 
     def _attend_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seqs: list[tuple[int, int, torch.Tensor]],
