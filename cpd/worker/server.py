@@ -35,6 +35,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any, Callable
 
 import httpx
@@ -410,8 +411,20 @@ def _append(st: WorkerState, body: AppendRequest, request: Request) -> Response:
 
 
 async def _append_stream(st: WorkerState, rid: str, stream, request: Request):
-    """Relay an append's outputs as NDJSON (heartbeats as in :func:`_decode_stream`); the first
-    line carries the prefix-cache figures. Aborted (blocks freed) if it ends unfinished."""
+    """Relay an append's outputs as NDJSON (:func:`_ndjson_lines`); the first line carries the
+    prefix-cache figures."""
+    def first_line(out, line: DecodeLine) -> DecodeLine:
+        by_tier = {Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()}
+        return msgspec.structs.replace(line, num_cached_tokens_by_tier=by_tier, queue_s=out.queue_s)
+    async with aclosing(_ndjson_lines(st, rid, stream, request, first_line)) as lines:
+        async for b in lines:  # closed with this generator: the abort runs at once on a disconnect
+            yield b
+
+
+async def _ndjson_lines(st: WorkerState, rid: str, stream, request: Request, first_line=None, on_first=None):
+    """Engine outputs of ``rid`` as NDJSON lines, with an empty heartbeat line after each
+    ``DECODE_HEARTBEAT_S`` without output; ``first_line`` may rewrite the first line and
+    ``on_first`` runs at the first output. Aborted (blocks freed) if it ends unfinished."""
     finished, first = False, True
     try:
         while not finished:
@@ -422,9 +435,11 @@ async def _append_stream(st: WorkerState, rid: str, stream, request: Request):
             finished = out.finished
             line = DecodeLine(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason)
             if first:
-                by_tier = {Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()}
-                line = msgspec.structs.replace(line, num_cached_tokens_by_tier=by_tier, queue_s=out.queue_s)
                 first = False
+                if on_first is not None:
+                    on_first()
+                if first_line is not None:
+                    line = first_line(out, line)
             yield encode(line) + b"\n"
     except RuntimeError as e:
         yield encode(DecodeLine(error=str(e))) + b"\n"
@@ -446,27 +461,19 @@ async def _release(st: WorkerState, handle: HandoffHandle) -> None:
 
 
 async def _decode_stream(st: WorkerState, rid: str, stream, request: Request, handle: HandoffHandle):
-    """Relay engine outputs as NDJSON, with an empty heartbeat line after each
-    ``DECODE_HEARTBEAT_S`` without output. The sender's staging is released at the first output
-    (held until then so that the router can retry this decode on another worker from the same
-    staging if this one fails before its first token) or when the request ends."""
-    finished = released = False
+    """Relay engine outputs as NDJSON (:func:`_ndjson_lines`). The sender's staging is released at
+    the first output (held until then so that the router can retry this decode on another worker
+    from the same staging if this one fails before its first token) or when the request ends."""
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        released = True
+        asyncio.create_task(_release(st, handle))
     try:
-        while not finished:
-            out = await _next_output(stream, request, heartbeat_s=DECODE_HEARTBEAT_S)
-            if out is None:
-                yield b"\n"
-                continue
-            finished = out.finished
-            if not released:
-                released = True
-                asyncio.create_task(_release(st, handle))
-            yield encode(DecodeLine(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason)) + b"\n"
-    except RuntimeError as e:
-        yield encode(DecodeLine(error=str(e))) + b"\n"
+        async with aclosing(_ndjson_lines(st, rid, stream, request, on_first=release)) as lines:
+            async for b in lines:  # closed with this generator: the abort runs at once on a disconnect
+                yield b
     finally:
-        if not finished:
-            st.runner.abort(rid)
-        st.runner.close_stream(rid)
         if not released:  # aborted before its first output
             asyncio.create_task(_release(st, handle))
