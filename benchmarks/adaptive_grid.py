@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experiment", default="reference_b200")
     ap.add_argument("--workloads", default=None, help="comma-separated: agent, mooncake, claude-code "
                                                       "(default: agent with --quick, else all three)")
+    ap.add_argument("--cold", default=None, help="comma-separated cold fractions (default: the grid's)")
+    ap.add_argument("--ttft", default=None, help="comma-separated TTFT SLOs in s (default: the grid's)")
+    ap.add_argument("--output", default=None, help="comma-separated output lengths (default: the grid's)")
     a = ap.parse_args(argv)
     base = load_experiment(a.experiment)
     if a.quick:
@@ -163,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     (out / "cells").mkdir(parents=True, exist_ok=True)
     rows = []
     t0 = time.perf_counter()
-    for cell in cells(wls, QUICK if a.quick else FULL):
+    grid = dict(QUICK if a.quick else FULL)
+    for k, conv in (("cold", float), ("ttft", float), ("output", int)):
+        if getattr(a, k):
+            grid[k] = tuple(conv(x) for x in getattr(a, k).split(","))
+    for cell in cells(wls, grid):
         e = cell_experiment(base, cell)
         key = hashlib.sha256(json.dumps([e, seeds], sort_keys=True).encode()).hexdigest()[:16]
         f = out / "cells" / f"{key}.json"

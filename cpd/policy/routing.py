@@ -417,7 +417,7 @@ def _route_static(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[Wo
     scored = []
     for w in pool:
         plan = plans[w.worker_id][0]
-        wait, own = _queue_s(w, cost), _own_s(plan, num_prompt_tokens, cfg, cost)
+        wait, own = _queue_s(w, cost), work_s(plan, num_prompt_tokens, cfg, cost)
         scored.append((wait + own, w.running_requests, w.worker_id, plan, w.role, wait, own))
     t, _, wid, plan, role, _, _ = min(scored)
     wt = cfg.resolved_write_through()
@@ -461,8 +461,11 @@ def _queue_s(w: WorkerLoad, cost: CostModel) -> float:
     return cost.prefill_time_s(w.queued_prefill_tokens, 0) if w.queued_prefill_tokens else 0.0
 
 
-def _own_s(plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig, cost: CostModel) -> float:
-    """This request's own work on a worker: L2/L3 loads of the plan + compute of the uncached suffix."""
+def work_s(plan: LoadPlan, num_prompt_tokens: int, cfg: RoutingConfig, cost: CostModel) -> float:
+    """A request's own work on the worker that runs ``plan``: the L2/L3 loads of the plan (the engine
+    runs them inside its steps, so they occupy the worker like compute) + the compute of the uncached
+    suffix. The policy's ``own_s``, and what the dispatch (live and simulated) adds to the worker's
+    ``queued_prefill_s`` until the first token."""
     t = 0.0
     for tier, n in ((Tier.L2, plan.l2_blocks), (Tier.L3, plan.l3_blocks)):
         if n:
@@ -476,7 +479,7 @@ def _candidate(w: WorkerLoad, match: PrefixMatch, num_prompt_tokens: int, cfg: R
     """Estimate one prefill-side worker (rule A1). ``delay_to_others_s`` is ``own_s``: a FCFS queue
     holds everything that runs after this request there up by its own work."""
     plan, recompute = plan_loads(w.worker_id, match, num_prompt_tokens, cfg, cost)
-    own, wait = _own_s(plan, num_prompt_tokens, cfg, cost), _queue_s(w, cost)
+    own, wait = work_s(plan, num_prompt_tokens, cfg, cost), _queue_s(w, cost)
     est = CandidateEstimate(w.worker_id, Role(w.role), wait, own, wait + own, delay_to_others_s=own,
                             score=wait + own)
     return _Candidate(w, plan, recompute, est)

@@ -62,7 +62,7 @@ from cpd.messages.sampling import SamplingParams
 from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, MalformedBody, PrefillRequest,
                                      PrefillResponse, decode_body, encode)
 from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
-from cpd.policy.routing import pick_decode
+from cpd.policy.routing import pick_decode, work_s
 from cpd.router.decode_relay import JSON_HEADERS, DecodeFailed, relay_decode
 from cpd.router.dispatch_records import RecentRequests, record_prefill
 from cpd.router.estimates import CostEstimates
@@ -294,8 +294,7 @@ class CPDBackend:
         assert d.decode_worker is not None
         w = self.workers.by_id[d.decode_worker]
         n = len(req.prompt_token_ids)
-        cached = d.load_plan.num_cached_blocks * self.cfg.block_size
-        est_s = self.estimates.model().prefill_time_s(n - cached, cached)
+        est_s = work_s(d.load_plan, n, self.cfg, self.estimates.model())
         body = AppendRequest(request_id=run.worker_request_id(), prompt_token_ids=req.prompt_token_ids,
                              sampling=req.sampling, cache_salt=req.cache_salt)
         log.debug("route %s decode-append on %s plan=%s", req.request_id, w.worker_id, dataclasses.asdict(d.load_plan))
@@ -412,8 +411,7 @@ class CPDBackend:
         log.debug("route %s cls=%s pool=%s worker=%s plan=%s reasons=%s", req.request_id, d.request_class, d.pool,
                   d.prefill_worker, dataclasses.asdict(d.load_plan), d.reasons)
         cached_blocks = d.load_plan.num_cached_blocks
-        cached = cached_blocks * self.cfg.block_size
-        est_s = self.estimates.model().prefill_time_s(n - cached, cached)
+        est_s = work_s(d.load_plan, n, self.cfg, self.estimates.model())
         limit_s = self.timeouts.prefill_s(d.estimated_ttft_s)
         now = time.monotonic()
         pending = hashes[cached_blocks:] if d.write_through else []

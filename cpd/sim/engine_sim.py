@@ -31,7 +31,7 @@ from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
-from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route
+from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route, work_s
 from cpd.router.index import PrefixIndex
 from cpd.sim.workload import SimRequest
 from cpd.types import PREFILL_SIDE_ROLES, Role
@@ -283,8 +283,7 @@ class EngineSimulator:
         rc = d.recompute  # the load-vs-recompute outcome, as the live dispatch reads it
         recompute_l3 = rc is not None and rc.tier == "L3"
         cached_blocks = d.load_plan.num_cached_blocks
-        cached = cached_blocks * self.bs
-        est_s = self.c.router_cost.prefill_time_s(len(toks) - cached, cached)
+        est_s = work_s(d.load_plan, len(toks), self.c.routing, self.c.router_cost)
         if d.write_through and hashes[cached_blocks:]:
             self.index.add_pending_writes(hashes[cached_blocks:], now + d.estimated_ttft_s + self.c.raw_ready_margin_s)
         if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
