@@ -81,8 +81,10 @@ DASHBOARD_SCHEMA = {
 
 def _exported_metric_names() -> set[str]:
     from cpd.router.metrics import RouterMetrics
+    from cpd.router.workers import WorkerSet
     m = RouterMetrics()
     m.watch_supervisor("/nonexistent/supervisor.json")
+    m.watch_workers(WorkerSet([]))  # cpd_workers{role}, exported at each scrape
     names = set()
     for line in m.render().decode().splitlines():
         if line.startswith("# TYPE "):
@@ -100,5 +102,19 @@ def test_grafana_dashboard_schema_and_metrics():
             for p in dash["panels"] for t in p["targets"] for n in re.findall(r"\bcpd_[a-z_]+", t["expr"])}
     assert used and used <= exported, f"dashboard queries metrics the router does not export: {used - exported}"
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for topic in ("ttft", "queue time", "hit ratio", "kv bytes", "fallbacks"):
+    for topic in ("ttft", "queue time", "hit ratio", "kv bytes", "fallbacks", "role changes", "route decisions"):
         assert topic in titles
+
+
+def test_grafana_panels_do_not_overlap():
+    """Each panel owns its own cells of Grafana's 24-column grid (an overlapping panel is moved
+    by Grafana on import and hides part of the layout)."""
+    dash = json.loads((DEPLOY / "grafana" / "cpd-dashboard.json").read_text())
+    taken: dict[tuple[int, int], int] = {}
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, f"panel {p['id']} is wider than the grid"
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in taken, f"panel {p['id']} overlaps panel {taken[(x, y)]}"
+                taken[(x, y)] = p["id"]
