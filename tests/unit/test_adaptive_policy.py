@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
-                                PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route)
+                                PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
+                                work_s)
 from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
 
 BS = 16
@@ -344,3 +345,16 @@ def test_static_mode_ignores_the_adaptive_settings(slo, margin, factor, append, 
 def test_heavy_threshold_default_is_half_the_slo():
     assert heavy_uncached_s(CFG) == 1.0
     assert heavy_uncached_s(dataclasses.replace(CFG, heavy_uncached_s=0.1)) == 0.1
+
+
+def test_queued_work_counts_the_plan_s_loads_like_compute():
+    """work_s (what the dispatch adds to queued_prefill_s) = the plan's L2/L3 loads + the uncached
+    compute, and equals the winner's own_s: loads run inside the engine's steps and occupy it."""
+    n_l3 = SHORT_TOKENS // BS - 4
+    d = route(SHORT_TOKENS, PrefixMatch(l3=n_l3), _cluster(pp=(5.0,), p=(0.0, 5.0)), CFG, COST)
+    assert d.load_plan.l3_blocks == n_l3 and d.prefill_worker == "p0"
+    load_s = COST.load_time_s("L3", n_l3 * BS * COST.kv_bytes_per_token)
+    compute_s = COST.prefill_time_s(SHORT_TOKENS - n_l3 * BS, n_l3 * BS)
+    w = work_s(d.load_plan, SHORT_TOKENS, CFG, COST)
+    assert load_s > 0 and w == pytest.approx(load_s + compute_s)
+    assert w == pytest.approx(_by_id(d)["p0"].own_s)
