@@ -10,15 +10,19 @@ Reads a Mooncake-format trace and prints (and writes ``report.md`` + PNGs):
 3. a verdict: whether cold prefills would block warm ones under plain P/D at the stated
    load (M/G/1 Pollaczek-Khinchine wait of the shared prefill queue: blocking when the
    mean wait exceeds max(0.1 s, 2x the warm service time) and cold requests cause most
-   of it), the gain of CPD from a quick simulation (``reference_b200`` cluster
-   shapes, the trace replayed with time scaling), and a suggested GPU split between
-   pre-prefill, prefill and decode in proportion to their modeled busy time.
+   of it), and whether CPD pays against plain P/D on the simulated saturations below;
+4. a recommendation (:mod:`cpd.analyze.deployment`): pools from the adaptive policy's classes and
+   the role planner's rule, each configuration (pd, pd-l3, cpd-static, cpd, cpd-elastic) simulated
+   on the trace with the saturation search of ``cpd simulate --compare`` under ``--ttft-slo-s`` /
+   ``--tpot-slo-s``, the choice (or that it is not separated from the runner-up), and the exact
+   ``cpd serve`` flags; also ``recommendation.json``.
 
 Mountable: ``app.command("analyze")(analyze)``; also ``python -m cpd.analyze.cli TRACE``.
 """
 from __future__ import annotations
 
-import copy
+import json
+import math
 from pathlib import Path
 
 import typer
@@ -39,18 +43,30 @@ def analyze(
     qps_per_gpu: float = typer.Option(0.8, help="load at which the blocking verdict is stated (QPS per GPU of 2P1D)"),
     cold_threshold: float = typer.Option(0.5, help="reuse below this = cold"),
     total_gpus: int = typer.Option(16, help="GPUs to split between pre-prefill, prefill and decode"),
-    simulate: bool = typer.Option(True, help="run the quick 2P1D vs CPD simulation"),
-    sim_steady_s: float = typer.Option(120.0, help="steady window of each quick-simulation point (s)"),
+    ttft_slo_s: float = typer.Option(1.0, "--ttft-slo-s", help="TTFT SLO of the recommendation (s)"),
+    tpot_slo_s: float = typer.Option(0.05, "--tpot-slo-s", help="TPOT SLO of the recommendation (s)"),
+    simulate: bool = typer.Option(True, help="simulate the configurations to choose one (see --sim-*)"),
+    sim_seeds: int = typer.Option(1, "--sim-seeds", min=1, help="seeds per configuration (>= 2 gives intervals)"),
+    sim_steady_s: float = typer.Option(20.0, "--sim-steady-s", help="steady window of each simulated point (s)"),
+    sim_iters: int = typer.Option(2, "--sim-iters", min=0, help="bisection steps of each saturation search"),
+    sim_loads: str = typer.Option("", "--sim-loads", help="starting QPS/GPU loads, comma-separated "
+                                                          "(default: 0.5x and 1x the modeled capacity)"),
+    sim_configs: str = typer.Option("pd,pd-l3,cpd-static,cpd,cpd-elastic", "--sim-configs",
+                                    help="configurations to compare, comma-separated"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="simulation processes (results do not depend on it)"),
     large_suffix_tokens: int = typer.Option(8192, help="warm requests with more uncached tokens are warm_large"),
     session_rate: float = typer.Option(0.05, help="Claude Code: Poisson session starts per second for reuse distance"),
 ) -> None:
-    """Analyse a trace's prefix reuse and say whether cache-aware P/D (CPD) pays on it."""
+    """Analyse a trace's prefix reuse, say whether cache-aware P/D (CPD) pays on it, and recommend
+    a deployment (configuration, pools, `cpd serve` flags)."""
     from cpd.analyze.sessions import sessions_section
     from cpd.analyze.stats import capacity_for, reuse_profile
     from cpd.policy.cost_model import RooflineCostModel
     from cpd.sim.workload import schedule_to_sim
     from cpd.traces import ReplayOptions, Vocab, build_schedule, read_trace
 
+    budget = _budget(ttft_slo_s, tpot_slo_s, sim_seeds, sim_steady_s, sim_iters, sim_loads, jobs)
+    configs = _config_names(sim_configs)
     try:
         tr = read_trace(trace)
     except ValueError as e:  # TraceFormatError: file, line, what was expected — never a traceback
@@ -66,7 +82,6 @@ def analyze(
     out.mkdir(parents=True, exist_ok=True)
     prof = reuse_profile(reqs, block_tokens=B)
     cost = RooflineCostModel.build(model, gpu, tp=tp, kv_dtype_bytes=kv_dtype_bytes)
-    dcost = RooflineCostModel.build(model, gpu, tp=1, kv_dtype_bytes=kv_dtype_bytes)
     dur = max(1e-9, reqs[-1].arrival_s - reqs[0].arrival_s)
     L: list[str] = [f"# cpd analyze: {trace.name}", "",
                     f"Format {tr.format} ({tr.files} file(s), {len(tr.sessions)} session(s), {B}-token blocks); "
@@ -134,23 +149,17 @@ def analyze(
         L.append(f"* plain P/D (2P1D) at {qps_per_gpu} QPS/GPU ({lam:.1f} QPS): prefill utilisation ρ = {rho:.2f}, "
                  f"mean wait in the shared queue {wq:.2f} s vs warm service {warm_mean:.3f} s → "
                  + ("**cold prefills block warm ones**" if block else "little blocking"))
-    # GPU split by modeled busy time
-    pre_w = sum(cold_svc) * 2
-    pf_w = sum(warm_svc) * 2
-    ctx = sum(r.prompt_tokens for r in reqs) / len(reqs)
-    dec_w = sum(r.output_tokens for r in reqs) * dcost.decode_step_time_s(16, int(16 * ctx)) / 16 / tp
-    tot = pre_w + pf_w + dec_w
-    split = {k: v / tot * total_gpus for k, v in (("pre-prefill", pre_w), ("prefill", pf_w), ("decode", dec_w))}
-    nodes = {k: max(1, round(v / 4)) for k, v in split.items()}
-    L.append("* suggested split of %d GPUs by modeled busy time: " % total_gpus
-             + ", ".join(f"{k} {v:.1f} GPUs (≈{nodes[k]} node(s) of 4)" for k, v in split.items()))
-    verdict = "* **no supported verdict**: no simulation was run (--no-simulate); the queueing estimate above is not one."
+    rec = _recommendation(trace, tr, reqs, prof, B, model, gpu, kv_dtype_bytes, tp, ttft_slo_s, tpot_slo_s,
+                          total_gpus, configs, budget, simulate)
     if simulate:
-        cap_qps = 1.0 / (es * 12)  # QPS/GPU at which the shared 2P prefill pool would be 100 % busy
-        pts = sorted({round(cap_qps * f, 2) for f in (0.3, 0.5, 0.7, 0.9, 1.1, 1.3)})
-        gain_txt, verdict = _quick_sim(trace, tr, sim_steady_s, model, gpu, kv_dtype_bytes, pts, nodes, session_rate)
-        L.append(f"* quick simulation ({sim_steady_s:.0f} s steady per point, arrivals as `cpd simulate --trace`): {gain_txt}")
-    L.append(verdict)
+        from cpd.analyze.recommend import cpd_verdict
+        L.append(cpd_verdict(rec["configs"]))
+    else:
+        L.append("* **no supported verdict**: no simulation was run (--no-simulate); the queueing estimate above "
+                 "is not one.")
+    from cpd.analyze.deployment import markdown as rec_markdown
+    L += rec_markdown(rec)
+    (out / "recommendation.json").write_text(json.dumps(rec, sort_keys=True, indent=1) + "\n")
     _plots(prof, curve, out, B)
     _kind_plots(sched, out, cost)
     L += ["", "![reuse](reuse.png)", "", "![lru](lru_curve.png)", "", "![uncached](uncached_cdf.png)"]
@@ -160,49 +169,47 @@ def analyze(
     typer.echo(text)
 
 
-def _quick_sim(path: Path, tr, steady_s: float, model: str, gpu: str, kvb: float, pts: list[float],
-               nodes: dict[str, int], session_rate: float) -> tuple[str, str]:
-    """Quick pd vs CPD sweep on the trace (one seed, engine-object simulator); returns (figures, verdict)."""
-    from cpd.sim.experiment import load_experiment
-    from cpd.sim.sweep import run_sweep
-    exp = copy.deepcopy(load_experiment("reference_b200"))
-    exp.update(model=model, gpu=gpu, kv_dtype_bytes=kvb, steady_s=steady_s, ramp_s=10, drain_s=30)
-    exp["workload"] = {"kind": "trace", "path": str(path), "spread_ticks": tr.format == "mooncake",
-                       "max_idle_s": None if tr.timed else 60.0}
-    exp["configs"] = {"pd": {}, "cpd-static": {},
-                      "CPD-split": {"topology": "cpd", "pre_prefill": nodes["pre-prefill"],
-                                    "prefill": nodes["prefill"], "decode": nodes["decode"]}}
-    exp["qps_per_gpu"] = pts
-    r = run_sweep(exp, progress=False, seeds=1)
-    return quick_sim_verdict(r, pts)
+def _budget(ttft_slo_s: float, tpot_slo_s: float, seeds: int, steady_s: float, iters: int, loads: str,
+            jobs: int):
+    """The SLOs checked (> 0, finite) and the simulation budget; a bad value is a usage error (exit 2)."""
+    from cpd.analyze.deployment import SimBudget
+    for name, v in (("--ttft-slo-s", ttft_slo_s), ("--tpot-slo-s", tpot_slo_s), ("--sim-steady-s", steady_s)):
+        if not (math.isfinite(v) and v > 0):
+            raise typer.BadParameter(f"must be a positive number of seconds, got {v:g}", param_hint=name)
+    try:
+        qs = tuple(float(x) for x in loads.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated QPS/GPU values, got {loads!r}",
+                                 param_hint="--sim-loads") from None
+    if any(not (math.isfinite(q) and q > 0) for q in qs):
+        raise typer.BadParameter(f"loads must be positive, got {loads!r}", param_hint="--sim-loads")
+    return SimBudget(seeds=seeds, steady_s=steady_s, iters=iters, loads=qs, jobs=jobs)
 
 
-def quick_sim_verdict(r: dict, pts: list[float]) -> tuple[str, str]:
-    """Figures of a quick sweep and the verdict they support: "CPD pays" only when a CPD
-    configuration's saturation load is bounded and above plain P/D's; "no supported verdict"
-    when a saturation is not bounded by the simulated points (every point fails, or none does)."""
-    s = r["saturation"]
-    slo = r["slo"]
+def _config_names(names: str) -> list[str]:
+    from cpd.analyze.recommend import CONFIG_ORDER
+    out = [c.strip() for c in names.split(",") if c.strip()]
+    bad = [c for c in out if c not in CONFIG_ORDER]
+    if bad or not out:
+        raise typer.BadParameter(f"unknown {', '.join(bad) or 'empty list'} (known: {', '.join(CONFIG_ORDER)})",
+                                 param_hint="--sim-configs")
+    return out
 
-    def fig(c):
-        x = s[c]
-        if x["qps_per_gpu"] is None:
-            return f"{c} fails the SLO at every point (first {x.get('first_fail')})"
-        return f"{c} {x['qps_per_gpu']} QPS/GPU ({x['bounded']})"
-    figs = (f"loads {pts} QPS/GPU; saturation (goodput >= {slo['goodput_min']} under TTFT <= {slo['ttft_s']} s and "
-            f"TPOT <= {slo['tpot_s']} s): " + ", ".join(fig(c) for c in s))
-    base = s["pd"]
-    bounded = lambda x: x["qps_per_gpu"] is not None and x["bounded"] == "interpolated"
-    cpd = [c for c in s if c != "pd" and bounded(s[c])]
-    if not bounded(base) or not cpd:
-        return figs, ("* **no supported verdict**: the simulated points do not bound the saturation of pd and a "
-                      "CPD configuration (" + figs + "); rerun with other loads (`cpd simulate --trace`).")
-    best = max(cpd, key=lambda c: s[c]["qps_per_gpu"])
-    g = s[best]["qps_per_gpu"] / base["qps_per_gpu"] - 1
-    if g > 0.05:
-        return figs, f"* **CPD pays**: {best} sustains {s[best]['qps_per_gpu']} vs pd {base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %)."
-    return figs, (f"* **CPD does not pay here**: best CPD {best} {s[best]['qps_per_gpu']} vs pd "
-                  f"{base['qps_per_gpu']} QPS/GPU ({g * 100:+.0f} %).")
+
+def _recommendation(path: Path, tr, reqs, prof, block_tokens: int, model: str, gpu: str, kvb: float, tp: int,
+                    ttft_slo_s: float, tpot_slo_s: float, total_gpus: int, configs: list[str], budget,
+                    simulate: bool) -> dict:
+    """:func:`cpd.analyze.deployment.recommend` on this trace (replayed as ``cpd simulate --trace``)."""
+    from cpd.analyze.deployment import TooFewGpus, TraceInput, default_progress, experiment, recommend
+    wl = {"kind": "trace", "path": str(path), "spread_ticks": tr.format == "mooncake",
+          "max_idle_s": None if tr.timed else 60.0}
+    t = TraceInput([r.arrival_s for r in reqs], [r.prompt_tokens for r in reqs], prof.cached_tokens,
+                   [r.output_tokens for r in reqs], block_tokens, wl)
+    exp = experiment(model, gpu, kvb, tp, ttft_slo_s, tpot_slo_s, wl, budget)
+    try:
+        return recommend(exp, t, total_gpus, configs, budget, simulate, default_progress)
+    except TooFewGpus as e:
+        raise typer.BadParameter(str(e), param_hint="--total-gpus") from None
 
 
 def _uncached_section(sched, large: int, cost) -> list[str]:

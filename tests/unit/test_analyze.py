@@ -1,6 +1,7 @@
 """`cpd analyze` on a slice of the Mooncake conversation trace (no quick simulation: fast)."""
-from typer.testing import CliRunner
+import pytest
 import typer
+from typer.testing import CliRunner
 
 from cpd.analyze.cli import analyze
 from tests.conftest import TRACE
@@ -15,7 +16,8 @@ def test_analyze_report_and_plots(tmp_path):
     r = CliRunner().invoke(app, [str(sl), "--out", str(tmp_path / "o"), "--no-simulate"])
     assert r.exit_code == 0, r.output
     rep = (tmp_path / "o" / "report.md").read_text()
-    for s in ("token hit ratio", "Recompute vs load", "Verdict", "suggested split", "reuse distance"):
+    for s in ("token hit ratio", "Recompute vs load", "Verdict", "Recommendation", "pre-prefill", "reuse distance",
+              "no configuration chosen"):
         assert s in rep
     assert (tmp_path / "o" / "reuse.png").stat().st_size > 1000
     assert (tmp_path / "o" / "lru_curve.png").exists()
@@ -58,18 +60,6 @@ def test_analyze_azure_csv_states_no_prefix_info_and_bad_csv_is_clean(tmp_path):
     assert r.exit_code == 2 and "bad.csv:2: expected" in r.output and "Traceback" not in r.output
 
 
-def test_verdict_needs_bounded_simulated_points():
-    from cpd.analyze.cli import quick_sim_verdict
-    slo = {"ttft_s": 1.0, "tpot_s": 0.05, "goodput_min": 0.9}
-    all_fail = {"saturation": {"pd": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3},
-                               "cpd-static": {"qps_per_gpu": None, "bounded": "below", "first_fail": 0.3}}, "slo": slo}
-    assert "no supported verdict" in quick_sim_verdict(all_fail, [0.3])[1]
-    ok = {"saturation": {"pd": {"qps_per_gpu": 0.8, "bounded": "interpolated"},
-                         "cpd-static": {"qps_per_gpu": 1.1, "bounded": "interpolated"}}, "slo": slo}
-    figs, v = quick_sim_verdict(ok, [0.5, 1.0, 1.5])
-    assert "CPD pays" in v and "1.1" in v and "0.8" in v
-
-
 def test_analyze_session_profile_counts_subagents_and_duration(tmp_path):
     """The session section counts each conversation's requests with its subagent's (4 + 2) and
     measures its duration on the session's own clock (first request to the end of the last)."""
@@ -89,3 +79,47 @@ def test_analyze_session_profile_counts_subagents_and_duration(tmp_path):
     rep = (tmp_path / "o" / "report.md").read_text()
     assert re.search(r"2 sessions; requests per session p50/p90/max: 6 / 6 / 6", rep), rep
     assert (tmp_path / "o" / "sessions.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,flag", [(["--ttft-slo-s", "0"], "--ttft-slo-s"), (["--tpot-slo-s", "-0.05"], "--tpot-slo-s"),
+                                       (["--ttft-slo-s", "nan"], "--ttft-slo-s"), (["--tpot-slo-s", "abc"], "--tpot-slo-s"),
+                                       (["--sim-configs", "pd,turbo"], "--sim-configs"),
+                                       (["--sim-loads", "0.5,x"], "--sim-loads"), (["--total-gpus", "4"], "--total-gpus")])
+def test_analyze_bad_options_are_usage_errors(tmp_path, args, flag):
+    """A bad SLO, configuration list, load list or GPU count: exit code 2, the flag named, no traceback."""
+    sl = tmp_path / "slice.jsonl"
+    with open(TRACE) as f:
+        sl.write_text("".join(next(f) for _ in range(50)))
+    r = _run([str(sl), "--out", str(tmp_path / "o"), "--no-simulate", *args])
+    assert r.exit_code == 2, r.output
+    assert flag in r.output and "Traceback" not in r.output
+
+
+def test_analyze_recommendation_on_a_trace_slice(tmp_path):
+    """A tiny slice of the Mooncake trace, short windows, one seed, two loads: the chosen
+    configuration is the one with the highest simulated saturation in recommendation.json, and
+    the report and stdout carry its figures and its `cpd serve` flags."""
+    import json as _json
+    sl = tmp_path / "slice.jsonl"
+    with open(TRACE) as f:
+        sl.write_text("".join(next(f) for _ in range(300)))
+    r = _run([str(sl), "--out", str(tmp_path / "o"), "--total-gpus", "12", "--sim-configs", "pd,cpd",
+              "--sim-steady-s", "4", "--sim-loads", "1.5,3", "--sim-iters", "0", "--ttft-slo-s", "1.5"])
+    assert r.exit_code == 0, r.output
+    rec = _json.loads((tmp_path / "o" / "recommendation.json").read_text())
+    sat = {c: d["saturation_qps_per_gpu"] for c, d in rec["configs"].items()}
+    assert set(sat) == {"pd", "cpd"} and all(x is not None for x in sat.values())
+    assert sat[rec["choice"]["config"]] == max(sat.values())
+    assert rec["choice"]["separated"] is False and "not separated" in rec["choice"]["why"]  # one seed: no interval
+    assert rec["slo"]["ttft_s"] == 1.5 and rec["classes"]["heavy_uncached_s"] == 0.75
+    assert rec["budget"]["points"] >= len(sat) and rec["budget"]["requests"] > 0
+    pools = rec["pools"]
+    assert pools["pre-prefill"] + pools["prefill"] == rec["nodes"]["prefill_side_workers"] == 2
+    flags = " ".join(rec["serve_flags"])
+    assert f"--decode {pools['decode']}" in flags
+    rep = (tmp_path / "o" / "report.md").read_text()
+    for text in (rep, r.output):
+        assert "## Recommendation" in text and f"cpd serve {flags}" in text
+        assert f"Cost: {rec['budget']['points']} points" in text
+        for c, x in sat.items():
+            assert f"| {c} | " in text and (f"{x:.3f}" in text)
