@@ -170,7 +170,7 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
     sat_qps = (res["configs"][ch.config]["saturation_qps_per_gpu"] or cap) * used
     c_rate, w_rate = cw.rates(sat_qps)
     out.update(
-        configs={c: {**{k: v for k, v in r.items() if k != "points"}, "first_fail": _first_fail(r["points"])}
+        configs={c: {**{k: v for k, v in r.items() if k != "points"}, "first_fail": _first_fail(r["points"], exp["slo"])}
                  for c, r in res["configs"].items()},
         choice=dataclasses.asdict(ch), budget=cost,
         serve_flags=serve_flags(ch.config, out["pools"], exp["slo"]["ttft_s"], exp["slo"]["tpot_s"]))
@@ -189,14 +189,19 @@ def _histogram(targets: Sequence[int]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
 
-def _first_fail(points: Sequence[dict]) -> dict[str, Any] | None:
-    """The lowest simulated load that missed the goodput target, with what missed (TTFT / TPOT p90)."""
+def _first_fail(points: Sequence[dict], slo: dict) -> dict[str, Any] | None:
+    """The lowest simulated load that missed the goodput target, its TTFT / TPOT p90 and which of
+    them is over its SLO (``limit``: ``ttft``, ``tpot``, ``both`` or ``neither``: fewer than 10 %
+    of requests missed each alone, more missed one or the other)."""
     bad = sorted((p for p in points if (p["goodput"] or 0.0) < GOODPUT_MIN), key=lambda p: p["qps_per_gpu"])
     if not bad:
         return None
     p = bad[0]
-    return {"qps_per_gpu": p["qps_per_gpu"], "goodput": p["goodput"], "ttft_p90_s": p["ttft_s"]["p90"],
-            "tpot_p90_s": p["tpot_s"]["p90"]}
+    tt, tp = p["ttft_s"]["p90"], p["tpot_s"]["p90"]
+    over = [k for k, x, lim in (("ttft", tt, slo["ttft_s"]), ("tpot", tp, slo["tpot_s"])) if x is None or x > lim]
+    limit = "both" if len(over) == 2 else (over[0] if over else "neither")
+    return {"qps_per_gpu": p["qps_per_gpu"], "goodput": p["goodput"], "ttft_p90_s": tt, "tpot_p90_s": tp,
+            "limit": limit}
 
 
 def _loads_at(cw: ClassWork, split, total_qps: float) -> dict[str, float]:
@@ -299,6 +304,12 @@ def markdown(rec: dict[str, Any]) -> list[str]:
     ch = rec["choice"]
     verb = "**Run `" + ch["config"] + "`**" if ch["separated"] else f"**Best by the mean: `{ch['config']}`**"
     L += ["", f"* {verb}: {ch['why']}."]
+    lim = (rec["configs"][ch["config"]].get("first_fail") or {}).get("limit")
+    if lim in ("tpot", "ttft"):
+        side = ("the decode pool (TPOT p90 over its SLO, TTFT within): it was sized by modeled busy time, so a "
+                "decode node more is the next split to try" if lim == "tpot" else
+                "the prefill side (TTFT p90 over its SLO, TPOT within)")
+        L.append(f"* `{ch['config']}` is limited by {side}")
     if not ch["separated"] and len(ch["within_interval"]) > 1:
         L.append(f"* within its interval: {', '.join(ch['within_interval'])} (the simplest is "
                  f"`{ch['within_interval'][0]}`)")

@@ -183,3 +183,18 @@ def test_window_splits_follow_the_mix():
     assert window_splits([], [], 0.5, 30.0, n) == []
     with pytest.raises(ValueError):
         window_splits(arrivals, own, 0.5, 0.0, n)
+
+
+def test_first_failing_load_names_the_slo_it_misses():
+    from cpd.analyze.deployment import _first_fail
+    slo = {"ttft_s": 1.0, "tpot_s": 0.05}
+
+    def pt(q, g, ttft, tpot):
+        return {"qps_per_gpu": q, "goodput": g, "ttft_s": {"p90": ttft}, "tpot_s": {"p90": tpot}}
+    pts = [pt(2.0, 0.5, 3.0, 0.2), pt(1.0, 0.95, 0.4, 0.01), pt(1.5, 0.7, 0.5, 0.12)]
+    f = _first_fail(pts, slo)
+    assert f["qps_per_gpu"] == 1.5 and f["limit"] == "tpot"
+    assert _first_fail([pt(1.0, 0.5, 2.0, 0.01)], slo)["limit"] == "ttft"
+    assert _first_fail([pt(1.0, 0.5, 2.0, 0.2)], slo)["limit"] == "both"
+    assert _first_fail([pt(1.0, 0.85, 0.9, 0.04)], slo)["limit"] == "neither"
+    assert _first_fail([pt(1.0, 0.95, 0.4, 0.01)], slo) is None
