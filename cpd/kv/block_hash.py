@@ -109,9 +109,23 @@ def hash_blocks(token_ids: Sequence[int], namespace: Namespace, parent_hash: int
     Raises:
         ValueError: a token id outside ``[0, 2**32)``.
     """
+    return hash_blocks_u32le(_u32le_bytes(token_ids), namespace, parent_hash)
+
+
+def hash_blocks_u32le(data: bytes | memoryview, namespace: Namespace, parent_hash: int | None = None) -> list[int]:
+    """:func:`hash_blocks` of token ids already laid out as contiguous little-endian u32
+    (``len(data) // 4`` ids, e.g. an engine's validated prompt): the same hashes, without
+    converting the ids again.
+
+    Args:
+        data: bytes-like, ``4 * n`` bytes (a byte-format buffer, e.g. bytes or a memoryview of them).
+        namespace, parent_hash: as for :func:`hash_blocks`.
+    Returns:
+        ``n // block_size`` hashes.
+    """
     bs = namespace.block_size
-    buf = _u32le_bytes(token_ids)
-    n = len(buf) // (4 * bs)
+    buf = data
+    n = len(buf) // (4 * bs)  # len in bytes: ``data`` is byte-format
     if n == 0:
         return []
     h = (_root(namespace) if parent_hash is None else parent_hash).to_bytes(8, "big")
@@ -135,7 +149,7 @@ GROUP_BLOCKS = 32
 """Blocks per cached run (the reuse granularity of :func:`hash_blocks`)."""
 
 
-def _chain(parent: bytes, buf: bytes, g0: int, g1: int, step: int) -> bytes:
+def _chain(parent: bytes, buf: bytes | memoryview, g0: int, g1: int, step: int) -> bytes:
     """Concatenated 8-byte digests of the blocks ``buf[g0:g1]`` chained from ``parent``."""
     sha = hashlib.sha256
     mv = memoryview(buf)
@@ -170,13 +184,16 @@ _NATIVE_U32LE = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 class _LRU:
-    """A bounded, thread-safe LRU map (bytes → bytes)."""
+    """A bounded, thread-safe LRU map (bytes → bytes): at most ``max_entries`` entries and
+    ``max_bytes`` bytes of keys and values (the least recently used go first)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._d: OrderedDict[bytes, bytes] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.nbytes = 0
 
     def get(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -190,17 +207,25 @@ class _LRU:
 
     def put(self, key: bytes, value: bytes) -> None:
         with self._lock:
+            old = self._d.get(key)
+            if old is not None:
+                self.nbytes -= len(key) + len(old)
             self._d[key] = value
-            if len(self._d) > self.max_entries:
-                self._d.popitem(last=False)
+            self._d.move_to_end(key)
+            self.nbytes += len(key) + len(value)
+            while self._d and (len(self._d) > self.max_entries or self.nbytes > self.max_bytes):
+                k, v = self._d.popitem(last=False)
+                self.nbytes -= len(k) + len(v)
 
     def clear(self) -> None:
         with self._lock:
             self._d.clear()
             self.hits = self.misses = 0
+            self.nbytes = 0
 
 
-_GROUPS = _LRU(max_entries=8192)  # ≤ 8192 × (8 + 32·64 + 32·8) B ≈ 19 MiB at block_size 16
+_GROUPS = _LRU(max_entries=8192, max_bytes=64 << 20)
+"""≤ 8192 runs (≈ 19 MiB at block_size 16) and ≤ 64 MiB in all (≈ 1000 runs at block_size 512)."""
 _ROOTS: dict[Namespace, int] = {}
 
 
