@@ -27,6 +27,7 @@ reads blocks that are pinned by the held request and may run concurrently with a
 """
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import threading
@@ -44,7 +45,7 @@ from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
 from cpd.engine.scheduler import SchedulePlan, SchedulerConfig, SeqState, blocks_for, schedule
-from cpd.kv.block_hash import Namespace, hash_blocks
+from cpd.kv.block_hash import Namespace, hash_blocks, hash_blocks_u32le
 from cpd.messages.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the torch executor imports torch; a modeled engine never does
@@ -115,11 +116,13 @@ class _Req:
     __slots__ = ("id", "sampling", "mode", "max_l3_blocks", "write_through", "ns", "prompt_len", "tokens",
                  "num_output", "blocks", "num_computed", "hashes", "num_registered", "prepared",
                  "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids",
-                 "added_at_s", "admitted_at_s")
+                 "added_at_s", "admitted_at_s", "u32")
 
     def __init__(self, rid: str, tokens: list[int], prompt_len: int, sampling: SamplingParams, mode: str,
-                 ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int]):
+                 ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int],
+                 u32: bytes = b""):
         self.id = rid
+        self.u32 = u32  # u32le bytes of the validated leading tokens (hashed without converting again)
         self.sampling = sampling
         self.mode = mode
         self.max_l3_blocks = max_l3_blocks
@@ -246,17 +249,34 @@ class Engine:
         return self.config.eos_token_id
 
     # ------------------------------------------------------------------ public API (thread-safe)
-    def _validate(self, rid: str, tokens: Sequence[int], sampling: SamplingParams) -> list[int]:
+    def _validate(self, rid: str, tokens: Sequence[int], sampling: SamplingParams) -> tuple[list[int], bytes]:
+        """The prompt as a fresh list of ints and as u32le bytes (see :meth:`_check_ids`).
+
+        Rules: every id converts with ``int()``; at least one id; each in ``[0, vocab_size)``;
+        shorter than ``max_model_len``; ``sampling`` is a :class:`SamplingParams`."""
         toks = list(map(int, tokens))
         if not toks:
             raise ValueError("prompt_token_ids must not be empty")
-        if min(toks) < 0 or max(toks) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        u32 = self._check_ids(toks)
         if len(toks) >= self.max_model_len:
             raise ValueError(f"prompt of {len(toks)} tokens does not fit max_model_len={self.max_model_len}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")
-        return toks
+        return toks, u32
+
+    def _check_ids(self, toks: list[int]) -> bytes:
+        """u32le bytes of ``toks`` (a list of ints); ValueError unless every id is in
+        ``[0, vocab_size)``. One C pass (``array("I")`` raises OverflowError for an id outside
+        ``[0, 2**32)``) and a numpy max for the vocabulary bound; the bytes are what
+        :func:`hash_blocks_u32le` hashes, so the prompt is not converted again for its hashes."""
+        try:
+            a = array.array("I", toks)
+        except OverflowError:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})") from None
+        ids = np.frombuffer(a, dtype=np.uint32)
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return ids.astype("<u4", copy=False).tobytes()
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         ids = set(sampling.stop_token_ids)
@@ -288,9 +308,9 @@ class Engine:
         """
         if req.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
-        toks = self._validate(req.request_id, req.prompt_token_ids, req.sampling)
+        toks, u32 = self._validate(req.request_id, req.prompt_token_ids, req.sampling)
         r = _Req(req.request_id, toks, len(toks), req.sampling, req.mode, self._namespace.with_salt(req.cache_salt),
-                 req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling))
+                 req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling), u32)
         self._submit(("add", r), req.request_id, new=True, prefill_tokens=len(toks))
 
     def add_decode_request(self, request_id: str, token_ids: Sequence[int], kv: Any,
@@ -311,7 +331,41 @@ class Engine:
         Where the blocks cannot be allocated the engine waits for free blocks; the KV is then
         copied into fresh blocks and decoding continues exactly as on one engine.
         """
-        toks = self._validate(request_id, token_ids, sampling)
+        toks, u32 = self._validate(request_id, token_ids, sampling)
+        self._add_imported(request_id, toks, u32, kv, sampling, num_generated, cache_salt)
+
+    def import_held(self, src: "Engine", request_id: str, sampling: SamplingParams | None = None) -> None:
+        """Continue here a request that another engine of this process holds after its handoff
+        (a ``"prefill"``-mode request finished with ``"handoff"``): ``src.export_kv`` then the
+        same import as :meth:`add_decode_request` (same cache salt; ``sampling`` defaults to the
+        held request's; the outputs so far count as generated). ``src`` keeps the request until
+        its :meth:`release`.
+
+        Validation: the token ids are ``src``'s own: its prompt was converted and checked by
+        ``src``'s :meth:`add_request`, the rest are sampled tokens (converted with ``int()`` here
+        again). So only their range against *this* engine's vocabulary is checked (one C pass),
+        not their types; ids from outside an engine go through :meth:`add_decode_request`.
+
+        Raises:
+            TypeError: ``src`` is not an :class:`Engine` (or ``sampling`` not a
+            :class:`SamplingParams`). KeyError: ``src`` does not hold
+            ``request_id``. ValueError: ids outside this vocabulary, shape mismatch, duplicate id.
+        """
+        if not isinstance(src, Engine):
+            raise TypeError("src must be an Engine")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError("sampling must be a SamplingParams")
+        held = src._held[request_id]
+        kv, toks = src.export_kv(request_id)
+        toks[held.prompt_len:] = map(int, toks[held.prompt_len:])
+        if len(toks) >= self.max_model_len:
+            raise ValueError(f"{len(toks)} tokens do not fit max_model_len={self.max_model_len}")
+        self._add_imported(request_id, toks, self._check_ids(toks), kv, sampling or held.sampling,
+                           len(toks) - held.prompt_len, held.ns.cache_salt)
+
+    def _add_imported(self, request_id: str, toks: list[int], u32: bytes, kv: Any, sampling: SamplingParams,
+                      num_generated: int, cache_salt: str | None) -> None:
+        """Queue a request with imported KV (validated ids ``toks`` and their u32le bytes)."""
         if not 1 <= num_generated < len(toks):
             raise ValueError("num_generated must be in [1, len(token_ids))")
         lay = self.executor.kv_layout
@@ -321,7 +375,7 @@ class Engine:
                 or not 0 < kv_t.shape[2] < len(toks):
             raise ValueError(f"kv shape {tuple(kv_t.shape)} does not match [L,2,n,H,D]={exp} with n < {len(toks)}")
         r = _Req(request_id, toks, len(toks) - num_generated, sampling, "full", self._namespace.with_salt(cache_salt),
-                 0, False, self._stop_ids(sampling))
+                 0, False, self._stop_ids(sampling), u32)
         r.import_kv = kv_t
         self._submit(("add", r), request_id, new=True)
 
@@ -487,7 +541,11 @@ class Engine:
             return
         bs = self.block_size
         parent = r.hashes[-1] if r.hashes else None
-        r.hashes.extend(hash_blocks(r.tokens[have * bs:upto_blocks * bs], r.ns, parent_hash=parent))
+        a, b = 4 * have * bs, 4 * upto_blocks * bs
+        if b <= len(r.u32):  # validated ids: their u32le bytes are at hand
+            r.hashes.extend(hash_blocks_u32le(memoryview(r.u32)[a:b], r.ns, parent_hash=parent))
+        else:
+            r.hashes.extend(hash_blocks(r.tokens[have * bs:upto_blocks * bs], r.ns, parent_hash=parent))
 
     def _register_full(self, r: _Req) -> None:
         """Register the request's computed full blocks not yet in the prefix cache."""

@@ -97,7 +97,7 @@ class NumpyKVArrays:
         return np.asarray(x)
 
     def copy_into(self, dst: np.ndarray, src: Any) -> None:
-        np.copyto(dst, self.as_array(src), casting="unsafe")
+        np.copyto(dst, src if type(src) is np.ndarray else self.as_array(src), casting="unsafe")
 
     def to_numpy(self, x: Any) -> np.ndarray:
         return np.ascontiguousarray(self.as_array(x))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cpd.engine.engine import Engine, EngineRequest, SamplingParams
-from cpd.engine.executor_modeled import build_modeled_executor, pseudo_token
+from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig, build_modeled_executor, pseudo_token
 from cpd.policy.cost_model import RooflineCostModel
 from cpd.engine.scheduler import SchedulerConfig
 
@@ -100,6 +100,51 @@ def test_pseudo_tokens_are_path_independent_through_a_handoff():
     for e in (one, pre, dec):
         e.check_invariants()
         assert e.pool_stats()["num_in_use"] == 0
+
+
+def test_import_held_continues_like_add_decode_request_and_checks_the_receivers_vocab():
+    """The in-process handoff (Engine.import_held) gives the same tokens and pool state as
+    export_kv + add_decode_request; ids outside the receiver's vocabulary are still refused."""
+    p = _prompt(333)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = []
+    for in_process in (False, True):
+        pre, _ = _engine()
+        dec, _ = _engine()
+        pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
+        first = []
+        while not first:
+            first = [o for o in pre.step() if o.request_id == "r"]
+        if in_process:
+            dec.import_held(pre, "r")
+        else:
+            kv, toks = pre.export_kv("r")
+            dec.add_decode_request("r", toks, kv, sp, num_generated=1)
+        pre.release("r")
+        got = list(first[0].new_token_ids)
+        while dec.has_unfinished():
+            got += [t for o in dec.step() if o.request_id == "r" for t in o.new_token_ids]
+        for e in (pre, dec):
+            e.check_invariants()
+            assert e.pool_stats()["num_in_use"] == 0
+        runs.append((got, dec.pool.stats(), sorted(dec.pool.cached)))
+    assert runs[0] == runs[1] and len(runs[0][0]) == 6
+    pre, _ = _engine()
+    cm = RooflineCostModel.build("Llama-3.1-8B", "b200", 4)
+    small_vocab = ModeledModelConfig(vocab_size=1000, max_position_embeddings=cm.model.max_context)  # ids here >= 1000
+    small = Engine(None, num_blocks=256, block_size=BS, executor=ModeledExecutor(cm, small_vocab, clock=RecordingClock()))
+    pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
+    while not [o for o in pre.step() if o.request_id == "r"]:
+        pass
+    with pytest.raises(ValueError):
+        small.import_held(pre, "r")
+    with pytest.raises(TypeError):
+        small.import_held(object(), "r")  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        small.import_held(pre, "not-held")
+    pre.release("r")
+    pre.step()
+    assert pre.pool_stats()["num_in_use"] == 0 and not small.has_unfinished()
 
 
 def test_same_request_sequence_same_tokens_and_block_accounting():
