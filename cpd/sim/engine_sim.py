@@ -165,6 +165,7 @@ class EngineSimulator:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
         self.rec: list[dict[str, Any] | None] = [None] * len(self.reqs)
         self._tokens: dict[int, list[int]] = {}
+        self._uses = self._block_uses()
         self._parked: dict[int, list[int]] = {}
         self.events_run = 0
         self.rejected = 0
@@ -182,6 +183,31 @@ class EngineSimulator:
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
 
+    def _block_uses(self) -> dict[int, int]:
+        """Per block id: how many requests will still build their prompt from it. A block's
+        token list leaves the cache (:attr:`_tokens`) when no request needs it any more (the
+        engines keep their own references), so the cache holds live sessions only; the token
+        ids are a pure function of the block id, so this changes no result."""
+        uses: dict[int, int] = {}
+        for r in self.reqs:
+            for b in set(r.blocks[:blocks_for(r.prompt_tokens, self.bs)]):
+                uses[b] = uses.get(b, 0) + 1
+        return uses
+
+    def _prompt_tokens(self, r: SimRequest) -> list[int]:
+        """The prompt of request ``r`` (:func:`request_tokens`); blocks no later request needs
+        leave the cache."""
+        toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
+        uses = self._uses
+        for b in set(r.blocks[:blocks_for(r.prompt_tokens, self.bs)]):
+            n = uses.get(b, 0) - 1
+            if n > 0:
+                uses[b] = n
+            else:
+                uses.pop(b, None)
+                self._tokens.pop(b, None)
+        return toks
+
     def _prewarm(self, sessions: Sequence[Sequence[int]]) -> None:
         """Sessions that exist before t=0, their events applied to the index at once: with L3,
         their full blocks are written to L3 through a prefill-side engine's connector; without,
@@ -196,6 +222,9 @@ class EngineSimulator:
         for k, blocks in enumerate(sessions):
             toks = request_tokens(SimRequest(0.0, len(blocks) * self.bs, 1, tuple(blocks)), self.bs, self._tokens,
                                   self.vocab_size)
+            for b in blocks:  # blocks no request needs: their token lists go with this session
+                if b not in self._uses:
+                    self._tokens.pop(b, None)
             hashes = hash_blocks(toks, self.namespace)
             if writer is not None:
                 writer.save(hashes, None, toks, [payload] * len(hashes))
@@ -268,7 +297,7 @@ class EngineSimulator:
         if not released and self._park(i):
             return
         r = self.reqs[i]
-        toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
+        toks = self._prompt_tokens(r)
         hashes = hash_blocks(toks, self.namespace)
         match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs, now_s=now)
         try:
@@ -394,11 +423,11 @@ class EngineSimulator:
             self.at(max(now + r.think_s, r.arrival_s), self._arrive, j, True)
 
     def _handoff(self, now: float, w: _Inst, i: int) -> None:
-        kv, toks = w.engine.export_kv(str(i))
-        w.engine.release(str(i))
+        """The KV of a held prefill goes to its decode engine (``export_kv`` + the import of
+        ``add_decode_request``, in process: :meth:`Engine.import_held`), then is released."""
         d = self.by_id[self._record(i)["decode"]]
-        d.engine.add_decode_request(str(i), toks, kv, SamplingParams(max_tokens=self.reqs[i].output_tokens,
-                                                                     ignore_eos=True), num_generated=1)
+        d.engine.import_held(w.engine, str(i), SamplingParams(max_tokens=self.reqs[i].output_tokens, ignore_eos=True))
+        w.engine.release(str(i))
         self._kick(now, d)
 
     # -- results -----------------------------------------------------------------------
