@@ -51,7 +51,9 @@ class _TierMasks:
         self.held: dict[int, set[int]] = {}  # worker bit -> hashes
 
     def add(self, bit: int, hashes: Iterable[int]) -> None:
-        held = self.held.setdefault(bit, set())
+        held = self.held.get(bit)
+        if held is None:
+            held = self.held[bit] = set()
         masks = self.masks
         for h in hashes:
             if h not in held:
@@ -107,12 +109,31 @@ class PrefixIndex:
             if last is not None and seq <= last:
                 return True
             self._last_seq[worker_id] = seq
-            for ev in batch.events:
-                self._apply(worker_id, ev)
+            self._apply_events(worker_id, batch.events)
         ok = last is None or seq == last + 1
         if not ok:
             self.num_gaps += 1
         return ok
+
+    def _apply_events(self, worker_id: str, events: Iterable) -> None:
+        """:meth:`_apply` each event in order; L1/L2 ``BlockStored``/``BlockRemoved`` (nearly all
+        events) inline, with the worker's bit looked up once (still at the first event that
+        needs it, so bits are assigned in the same order)."""
+        tiers = self._tiers
+        l1 = tiers[MEDIUM_L1]
+        bit = 0
+        for ev in events:
+            t = type(ev)
+            if (t is BlockStored or t is BlockRemoved) and ev.medium != MEDIUM_L3:
+                if not bit:
+                    bit = self._bit(worker_id)
+                tier = tiers.get(ev.medium, l1)
+                if t is BlockStored:
+                    tier.add(bit, ev.block_hashes)
+                else:
+                    tier.remove(bit, ev.block_hashes)
+            else:
+                self._apply(worker_id, ev)
 
     def _apply(self, worker_id: str, ev) -> None:
         if isinstance(ev, BlockStored):
