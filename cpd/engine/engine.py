@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import collections
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -252,9 +253,14 @@ class Engine:
     def _validate(self, rid: str, tokens: Sequence[int], sampling: SamplingParams) -> tuple[list[int], bytes]:
         """The prompt as a fresh list of ints and as u32le bytes (see :meth:`_check_ids`).
 
-        Rules: every id converts with ``int()``; at least one id; each in ``[0, vocab_size)``;
-        shorter than ``max_model_len``; ``sampling`` is a :class:`SamplingParams`."""
-        toks = list(map(int, tokens))
+        Rules: every id is an integer (``operator.index``: ints, numpy / torch integers; a float,
+        string or None is refused); at least one id; each in ``[0, vocab_size)``; shorter than
+        ``max_model_len``; ``sampling`` is a :class:`SamplingParams`. Raises ValueError
+        (TypeError for ``sampling``)."""
+        try:
+            toks = list(map(operator.index, tokens))  # exact ints
+        except TypeError:
+            raise ValueError("prompt_token_ids must be integers") from None
         if not toks:
             raise ValueError("prompt_token_ids must not be empty")
         u32 = self._check_ids(toks)
@@ -342,9 +348,10 @@ class Engine:
         its :meth:`release`.
 
         Validation: the token ids are ``src``'s own: its prompt was converted and checked by
-        ``src``'s :meth:`add_request`, the rest are sampled tokens (converted with ``int()`` here
-        again). So only their range against *this* engine's vocabulary is checked (one C pass),
-        not their types; ids from outside an engine go through :meth:`add_decode_request`.
+        ``src``'s :meth:`add_request` (which kept their u32le bytes), the rest are sampled tokens
+        (converted and checked here again). So the prompt is only range-checked against *this*
+        engine's vocabulary (a numpy max over those bytes), not converted again; ids from outside
+        an engine go through :meth:`add_decode_request`.
 
         Raises:
             TypeError: ``src`` is not an :class:`Engine` (or ``sampling`` not a
@@ -357,11 +364,16 @@ class Engine:
             raise TypeError("sampling must be a SamplingParams")
         held = src._held[request_id]
         kv, toks = src.export_kv(request_id)
-        toks[held.prompt_len:] = map(int, toks[held.prompt_len:])
+        n = len(held.u32) // 4  # the leading ids src validated, as u32le bytes
+        ids = np.frombuffer(held.u32, dtype="<u4")
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        toks[n:] = map(operator.index, toks[n:])
+        u32 = held.u32 + self._check_ids(toks[n:])
         if len(toks) >= self.max_model_len:
             raise ValueError(f"{len(toks)} tokens do not fit max_model_len={self.max_model_len}")
-        self._add_imported(request_id, toks, self._check_ids(toks), kv, sampling or held.sampling,
-                           len(toks) - held.prompt_len, held.ns.cache_salt)
+        self._add_imported(request_id, toks, u32, kv, sampling or held.sampling, len(toks) - held.prompt_len,
+                           held.ns.cache_salt)
 
     def _add_imported(self, request_id: str, toks: list[int], u32: bytes, kv: Any, sampling: SamplingParams,
                       num_generated: int, cache_salt: str | None) -> None:

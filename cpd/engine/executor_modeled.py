@@ -65,10 +65,13 @@ class WallClock:
             time.sleep(seconds)
 
 
+_PACK = [struct.Struct(f"<q{n}q").pack for n in range(PSEUDO_CONTEXT + 1)]  # by context length
+
+
 def pseudo_token(token_ids: Sequence[int], end: int, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> int:
     """The modeled next token after ``token_ids[:end]`` (see module docstring)."""
-    ctx = [int(t) for t in token_ids[max(0, end - PSEUDO_CONTEXT):end]]
-    tok = zlib.crc32(struct.pack(f"<q{len(ctx)}q", end, *ctx)) % vocab_size
+    ctx = token_ids[max(0, end - PSEUDO_CONTEXT):end]
+    tok = zlib.crc32(_PACK[len(ctx)](end, *map(int, ctx))) % vocab_size
     while tok in eos_token_ids:
         tok = (tok + 1) % vocab_size
     return tok

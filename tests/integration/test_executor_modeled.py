@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cpd.engine.engine import Engine, EngineRequest, SamplingParams
@@ -100,6 +101,22 @@ def test_pseudo_tokens_are_path_independent_through_a_handoff():
     for e in (one, pre, dec):
         e.check_invariants()
         assert e.pool_stats()["num_in_use"] == 0
+
+
+def test_bad_prompts_are_refused_with_value_error_and_integers_of_any_kind_are_converted():
+    eng, _ = _engine()
+    v = eng.vocab_size
+    for i, bad in enumerate(([], [1, 2.5], [1, "3"], [None], [-1], [v], [2**32], [2**70], [1] * eng.max_model_len)):
+        with pytest.raises(ValueError):
+            eng.add_request(EngineRequest(f"bad{i}", bad, SamplingParams(max_tokens=1)))
+    with pytest.raises(ValueError):
+        eng.add_decode_request("bad-kv", [1, 2.0], None, SamplingParams(max_tokens=1))
+    assert not eng.has_unfinished() and eng.pool_stats()["num_in_use"] == 0
+    p = _prompt(40)
+    want = eng.generate(p, SamplingParams(max_tokens=3, ignore_eos=True))
+    other, _ = _engine()
+    assert other.generate(np.array(p, dtype=np.int64), SamplingParams(max_tokens=3, ignore_eos=True)) == want
+    eng.check_invariants()
 
 
 def test_import_held_continues_like_add_decode_request_and_checks_the_receivers_vocab():
