@@ -204,7 +204,7 @@ def _recommendation(path: Path, tr, reqs, prof, block_tokens: int, model: str, g
     wl = {"kind": "trace", "path": str(path), "spread_ticks": tr.format == "mooncake",
           "max_idle_s": None if tr.timed else 60.0}
     t = TraceInput([r.arrival_s for r in reqs], [r.prompt_tokens for r in reqs], prof.cached_tokens,
-                   [r.output_tokens for r in reqs], block_tokens, wl)
+                   [r.output_tokens for r in reqs], block_tokens, wl, timed=tr.timed)
     exp = experiment(model, gpu, kvb, tp, ttft_slo_s, tpot_slo_s, wl, budget)
     try:
         return recommend(exp, t, total_gpus, configs, budget, simulate, default_progress)

@@ -54,6 +54,7 @@ class TraceInput:
     output_tokens: Sequence[int]
     block_tokens: int
     workload: dict
+    timed: bool = True   # arrivals are the trace's own (Mooncake, Azure); False: sessions placed by a model
 
 
 def experiment(model: str, gpu: str, kv_dtype_bytes: float, tp: int, ttft_slo_s: float, tpot_slo_s: float,
@@ -71,9 +72,10 @@ def experiment(model: str, gpu: str, kv_dtype_bytes: float, tp: int, ttft_slo_s:
     return exp
 
 
-def _classes(exp: dict, t: TraceInput) -> tuple[list[float], float, Any, Any]:
+def _classes(exp: dict, t: TraceInput) -> tuple[list[float], float, Any, Any, TraceInput]:
     """Each request's own work under the simulated router's own cost model and adaptive routing
-    settings, the heavy threshold, and the prefill and decode instances' roofline models."""
+    settings, the heavy threshold, the prefill and decode instances' roofline models, and the
+    trace with its prompts truncated to the model's context as the replay does."""
     from cpd.policy.routing import heavy_uncached_s
     from cpd.sim.experiment import build_cluster, routing_config
     probe = dict(exp, layout={"prefill_nodes": 2, "decode_nodes": 1}, configs={})
@@ -82,8 +84,17 @@ def _classes(exp: dict, t: TraceInput) -> tuple[list[float], float, Any, Any]:
                                block_size=t.block_tokens)
     pcost = next(i.cost for i in cl.instances if i.role != "decode")
     dcost = next(i.cost for i in cl.instances if i.role == "decode")
-    own = [own_work_s(p, c, rcfg, cl.router_cost) for p, c in zip(t.prompt_tokens, t.cached_tokens)]
-    return own, heavy_uncached_s(rcfg), pcost, dcost
+    ctx = context_tokens(pcost)
+    fit = [min(p, max(1, ctx - o)) for p, o in zip(t.prompt_tokens, t.output_tokens)]  # the replay's context_len
+    ft = dataclasses.replace(t, prompt_tokens=fit, cached_tokens=[min(c, p) for p, c in zip(fit, t.cached_tokens)])
+    own = [own_work_s(p, c, rcfg, cl.router_cost) for p, c in zip(ft.prompt_tokens, ft.cached_tokens)]
+    return own, heavy_uncached_s(rcfg), pcost, dcost, ft
+
+
+def context_tokens(pcost) -> int:
+    """The modeled model's context (``max_position_embeddings``): the simulated engines refuse a
+    longer prompt, so the replay truncates prompts to it minus their output (``context_len``)."""
+    return int(pcost.model.max_context)
 
 
 def role_window_s() -> float:
@@ -94,10 +105,11 @@ def role_window_s() -> float:
 
 def _window_targets(t: TraceInput, own: Sequence[float], th: float, total_qps: float, side: int,
                     pcfg: PlannerConfig) -> list[int]:
-    """The planner's target per role window with the trace time-scaled to ``total_qps`` (as the
-    simulator replays timed traces; session traces approximately)."""
+    """The planner's target per role window with the trace time-scaled to ``total_qps`` as the
+    simulator replays timed traces; none for session traces (their replay interleaves sessions by
+    an arrival model at the simulated load, not by these arrivals)."""
     span = max(t.arrival_s) - min(t.arrival_s) if t.arrival_s else 0.0
-    if span <= 0 or total_qps <= 0:
+    if not t.timed or span <= 0 or total_qps <= 0:
         return []
     k = len(t.arrival_s) / span / total_qps   # trace seconds -> seconds at total_qps
     return window_splits([a * k for a in t.arrival_s], own, th, role_window_s(), side, pcfg)
@@ -120,9 +132,12 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
     """Pools, simulated saturations, choice and ``cpd serve`` flags (``recommendation.json``).
     Raises :class:`TooFewGpus` when ``total_gpus`` is too few for a decode node and two
     prefill-side workers; ValueError for an unknown configuration name."""
-    own, th, pcost, dcost = _classes(exp, t)
+    own, th, pcost, dcost, fitted = _classes(exp, t)
     cw = classify(own, th)
-    pf_gpu_s, dec_gpu_s = _gpu_seconds(exp, t, pcost, dcost)
+    ctx = context_tokens(pcost)
+    exp = dict(exp, workload=dict(exp["workload"], context_len=exp["workload"].get("context_len") or ctx))
+    too_long = sum(1 for p, o in zip(t.prompt_tokens, t.output_tokens) if p + o > ctx)
+    pf_gpu_s, dec_gpu_s = _gpu_seconds(exp, fitted, pcost, dcost)
     ranks = int(exp["decode"].get("ranks_per_node", 4))
     dnode_gpus = ranks * dcost.tp
     try:
@@ -139,7 +154,7 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
     if ELASTIC in configs and side <= pcfg.min_pre_prefill + pcfg.min_prefill:
         skipped[ELASTIC] = (f"{side} prefill-side workers are the planner's two pool minimums: it can move none "
                             "(elastic = cpd)")
-    elif ELASTIC in configs and len(set(targets)) <= 1:
+    elif ELASTIC in configs and len(set(targets)) == 1:
         skipped[ELASTIC] = ("the planner's target is the recommended split in every role window, so the planner "
                             "started there moves nobody (elastic = cpd)")
     names = [c for c in configs if c not in skipped]
@@ -147,6 +162,7 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
     out: dict[str, Any] = {
         "slo": {"ttft_s": exp["slo"]["ttft_s"], "tpot_s": exp["slo"]["tpot_s"], "goodput_min": GOODPUT_MIN},
         "model": exp["model"], "gpu": exp["gpu"], "total_gpus": total_gpus, "gpus_used": used,
+        "context_tokens": ctx, "truncated_requests": too_long,
         "classes": {"heavy_uncached_s": cw.heavy_uncached_s, "requests": cw.num_requests, "heavy": cw.num_heavy,
                     "cold_work_s_per_request": cw.cold_work_s / max(1, cw.num_requests),
                     "warm_work_s_per_request": cw.warm_work_s / max(1, cw.num_requests), "cold_share": cw.cold_share},
@@ -166,13 +182,19 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
                configs=sim_configs(names, split.pre_prefill, split.prefill, d))
     exp["search"] = dict(exp["search"], max_qps_per_gpu=2 * loads[-1])
     res, cost = _simulate(exp, names, budget, progress)
+    out["budget"] = cost
+    if cost["requests"] == 0:
+        out["no_choice"] = ("the simulated steady windows held no requests: the replay of this trace offers too "
+                            "few requests at these loads (a session trace replays only the sessions it has); "
+                            "try a longer --sim-steady-s or a trace with more sessions")
+        return out
     ch = choose(res["configs"])
     sat_qps = (res["configs"][ch.config]["saturation_qps_per_gpu"] or cap) * used
     c_rate, w_rate = cw.rates(sat_qps)
     out.update(
         configs={c: {**{k: v for k, v in r.items() if k != "points"}, "first_fail": _first_fail(r["points"], exp["slo"])}
                  for c, r in res["configs"].items()},
-        choice=dataclasses.asdict(ch), budget=cost,
+        choice=dataclasses.asdict(ch),
         serve_flags=serve_flags(ch.config, out["pools"], exp["slo"]["ttft_s"], exp["slo"]["tpot_s"]))
     out["split"].update(
         load_per_worker_at_choice=_loads_at(cw, split, sat_qps),
@@ -237,6 +259,14 @@ def _sat(d: dict) -> str:
     return (">= " if d.get("at_least") else "") + f"{x:.3f}"
 
 
+def _cost(b: dict[str, Any]) -> str:
+    """What the simulation cost, and its budget."""
+    return (f"Cost: {b['points']} points, {b['requests']} requests, {b['simulated_s']:.0f} simulated s in "
+            f"{b['wall_s']:.0f} s wall ({b['seeds']} seed(s), {b['ramp_s']:g} + {b['steady_s']:g} + "
+            f"{b['drain_s']:g} s per point, start loads {b['loads']}, {b['iters']} bisection steps, cap "
+            f"{b['max_qps_per_gpu']:.2f}).")
+
+
 def _fail(f: dict[str, Any] | None) -> str:
     if f is None:
         return "none failed"
@@ -254,6 +284,10 @@ def markdown(rec: dict[str, Any]) -> list[str]:
              f"workers of {nd['prefill_worker_gpus']} GPUs (engine TP) + {nd['decode_nodes']} decode node(s) of "
              f"{nd['decode_node_gpus']} GPUs ({pools['decode']} decode workers).")
     n = max(1, cl["requests"])
+    if rec["truncated_requests"]:
+        L.append(f"* {rec['truncated_requests']} request(s) ({rec['truncated_requests'] / n * 100:.1f} %) do not fit "
+                 f"the model's {rec['context_tokens']}-token context with their output: their prompts are truncated "
+                 "to it here and in the simulation (`context_len`)")
     L.append(f"* classes as the adaptive router makes them: heavy (`cold`) = own work (uncached compute on the "
              f"prefix holder, router cost model) > {cl['heavy_uncached_s']:g} s (half the TTFT SLO): "
              f"{cl['heavy'] / n * 100:.1f} % of requests, {cl['cold_share'] * 100:.1f} % of prefill work "
@@ -284,16 +318,12 @@ def markdown(rec: dict[str, Any]) -> list[str]:
         L.append(f"* `--elastic` at the chosen load: started at this split the planner keeps {here} pre-prefill; "
                  f"started at 1 it {tail}")
     if rec["choice"] is None:
-        L.append("* **no configuration chosen**: no simulation was run (--no-simulate); the pools above are for "
-                 "a cpd deployment")
-        return L
-    b = rec["budget"]
+        why = rec.get("no_choice") or "no simulation was run (--no-simulate)"
+        L.append(f"* **no configuration chosen**: {why}; the pools above are for a cpd deployment")
+        return L + ([f"* {_cost(rec['budget'])}"] if rec.get("budget") else [])
     L += ["", f"Saturation QPS/GPU on this trace (goodput >= {slo['goodput_min']} under TTFT <= {slo['ttft_s']:g} s "
           f"and TPOT <= {slo['tpot_s']:g} s; engine-object simulator and search of `cpd simulate --compare`, same "
-          f"GPUs for every configuration). Cost: {b['points']} points, {b['requests']} requests, "
-          f"{b['simulated_s']:.0f} simulated s in {b['wall_s']:.0f} s wall ({b['seeds']} seed(s), "
-          f"{b['ramp_s']:g} + {b['steady_s']:g} + {b['drain_s']:g} s per point, start loads {b['loads']}, "
-          f"{b['iters']} bisection steps, cap {b['max_qps_per_gpu']:.2f}).", "",
+          f"GPUs for every configuration). {_cost(rec['budget'])}", "",
           "| configuration | saturation QPS/GPU | 95 % CI | seeds | busy at saturation | first failing load: "
           "goodput, TTFT p90, TPOT p90 |", "|---|---:|---|---:|---|---|"]
     for c, d in rec["configs"].items():
