@@ -26,6 +26,9 @@ from cpd.policy.roles import PlannerConfig
 RAMP_S = 5.0
 DRAIN_S = 10.0
 GOODPUT_MIN = 0.9
+FEW_REQUESTS_PER_POINT = 100
+"""Below this mean number of requests in a point's steady window the report warns that the
+figures cannot tell configurations apart (goodput moves in steps of 1 / requests)."""
 
 
 class TooFewGpus(ValueError):
@@ -188,6 +191,10 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
                             "few requests at these loads (a session trace replays only the sessions it has); "
                             "try a longer --sim-steady-s or a trace with more sessions")
         return out
+    if cost["requests"] < FEW_REQUESTS_PER_POINT * cost["points"]:
+        out["warning"] = (f"the steady windows held {cost['requests'] / cost['points']:.0f} requests per point on "
+                          f"average (< {FEW_REQUESTS_PER_POINT}): too few to tell configurations apart; raise "
+                          "--sim-steady-s (session traces need windows longer than their think times)")
     ch = choose(res["configs"])
     sat_qps = (res["configs"][ch.config]["saturation_qps_per_gpu"] or cap) * used
     c_rate, w_rate = cw.rates(sat_qps)
@@ -331,6 +338,8 @@ def markdown(rec: dict[str, Any]) -> list[str]:
         ci = f"[{lo:.3f}, {hi:.3f}]" if d["n_seeds"] >= 2 and lo is not None else "— (one seed)"
         busy = ", ".join(f"{k} {v:.2f}" for k, v in d.get("busy_fraction_at_saturation", {}).items()) or "—"
         L.append(f"| {c} | {_sat(d)} | {ci} | {d['n_seeds']} | {busy} | {_fail(d.get('first_fail'))} |")
+    if rec.get("warning"):
+        L += ["", f"**Warning**: {rec['warning']}."]
     ch = rec["choice"]
     verb = "**Run `" + ch["config"] + "`**" if ch["separated"] else f"**Best by the mean: `{ch['config']}`**"
     L += ["", f"* {verb}: {ch['why']}."]
