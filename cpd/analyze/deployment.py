@@ -130,16 +130,39 @@ def _gpu_seconds(exp: dict, t: TraceInput, pcost, dcost) -> tuple[float, float]:
     return pf, dec
 
 
+@dataclass
+class _Plan:
+    """What the simulation step needs from the planning step of :func:`recommend`."""
+
+    exp: dict
+    names: list[str]
+    loads: list[float]
+    cw: ClassWork
+    split: Any
+    side: int
+    used: int
+    cap: float
+    report: dict[str, Any]
+
+
 def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str], budget: SimBudget,
               simulate: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Pools, simulated saturations, choice and ``cpd serve`` flags (``recommendation.json``).
     Raises :class:`TooFewGpus` when ``total_gpus`` is too few for a decode node and two
     prefill-side workers; ValueError for an unknown configuration name."""
+    plan = _plan(exp, t, total_gpus, configs, budget)
+    if simulate:
+        _simulated_choice(plan, budget, progress)
+    return plan.report
+
+
+def _plan(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str], budget: SimBudget) -> _Plan:
+    """Classes, pools (rules 1-3 of :mod:`cpd.analyze.recommend`), the configurations worth
+    simulating and the starting loads."""
     own, th, pcost, dcost, fitted = _classes(exp, t)
     cw = classify(own, th)
     ctx = context_tokens(pcost)
     exp = dict(exp, workload=dict(exp["workload"], context_len=exp["workload"].get("context_len") or ctx))
-    too_long = sum(1 for p, o in zip(t.prompt_tokens, t.output_tokens) if p + o > ctx)
     pf_gpu_s, dec_gpu_s = _gpu_seconds(exp, fitted, pcost, dcost)
     ranks = int(exp["decode"].get("ranks_per_node", 4))
     dnode_gpus = ranks * dcost.tp
@@ -148,24 +171,16 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
     except ValueError as e:
         raise TooFewGpus(str(e)) from None
     side = (total_gpus - d * dnode_gpus) // pcost.tp
-    pcfg = PlannerConfig()
-    split = split_prefill_side(cw.cold_work_s, cw.warm_work_s, side, pcfg)
+    split = split_prefill_side(cw.cold_work_s, cw.warm_work_s, side, PlannerConfig())
     used = side * pcost.tp + d * dnode_gpus
     cap = min(side * pcost.tp / max(pf_gpu_s, 1e-12), d * dnode_gpus / max(dec_gpu_s, 1e-12)) / used
-    targets = _window_targets(t, own, th, cap * used, side, pcfg)
-    skipped = {}
-    if ELASTIC in configs and side <= pcfg.min_pre_prefill + pcfg.min_prefill:
-        skipped[ELASTIC] = (f"{side} prefill-side workers are the planner's two pool minimums: it can move none "
-                            "(elastic = cpd)")
-    elif ELASTIC in configs and len(set(targets)) == 1:
-        skipped[ELASTIC] = ("the planner's target is the recommended split in every role window, so the planner "
-                            "started there moves nobody (elastic = cpd)")
-    names = [c for c in configs if c not in skipped]
-    loads = sorted(budget.loads) or [round(0.5 * cap, 3), round(cap, 3)]
-    out: dict[str, Any] = {
+    targets = _window_targets(t, own, th, cap * used, side, PlannerConfig())
+    skipped = _elastic_skipped(configs, side, targets)
+    report: dict[str, Any] = {
         "slo": {"ttft_s": exp["slo"]["ttft_s"], "tpot_s": exp["slo"]["tpot_s"], "goodput_min": GOODPUT_MIN},
         "model": exp["model"], "gpu": exp["gpu"], "total_gpus": total_gpus, "gpus_used": used,
-        "context_tokens": ctx, "truncated_requests": too_long,
+        "context_tokens": ctx,
+        "truncated_requests": sum(1 for p, o in zip(t.prompt_tokens, t.output_tokens) if p + o > ctx),
         "classes": {"heavy_uncached_s": cw.heavy_uncached_s, "requests": cw.num_requests, "heavy": cw.num_heavy,
                     "cold_work_s_per_request": cw.cold_work_s / max(1, cw.num_requests),
                     "warm_work_s_per_request": cw.warm_work_s / max(1, cw.num_requests), "cold_share": cw.cold_share},
@@ -179,35 +194,53 @@ def recommend(exp: dict, t: TraceInput, total_gpus: int, configs: Sequence[str],
                   "window_s": role_window_s(), "window_targets": _histogram(targets)},
         "skipped": skipped, "choice": None, "configs": {}, "serve_flags": None,
     }
-    if not simulate:
-        return out
+    loads = sorted(budget.loads) or [round(0.5 * cap, 3), round(cap, 3)]
     exp = dict(exp, qps_per_gpu=loads, layout={"prefill_nodes": side, "decode_nodes": d},
-               configs=sim_configs(names, split.pre_prefill, split.prefill, d))
+               configs=sim_configs([c for c in configs if c not in skipped], split.pre_prefill, split.prefill, d))
     exp["search"] = dict(exp["search"], max_qps_per_gpu=2 * loads[-1])
-    res, cost = _simulate(exp, names, budget, progress)
+    return _Plan(exp, [c for c in configs if c not in skipped], loads, cw, split, side, used, cap, report)
+
+
+def _elastic_skipped(configs: Sequence[str], side: int, targets: Sequence[int]) -> dict[str, str]:
+    """``cpd-elastic`` is not simulated where the planner provably moves nobody: too few workers
+    to move any past the pool minimums, or the same target split in every role window."""
+    pcfg = PlannerConfig()
+    if ELASTIC in configs and side <= pcfg.min_pre_prefill + pcfg.min_prefill:
+        return {ELASTIC: f"{side} prefill-side workers are the planner's two pool minimums: it can move none "
+                         "(elastic = cpd)"}
+    if ELASTIC in configs and len(set(targets)) == 1:
+        return {ELASTIC: "the planner's target is the recommended split in every role window, so the planner "
+                         "started there moves nobody (elastic = cpd)"}
+    return {}
+
+
+def _simulated_choice(plan: _Plan, budget: SimBudget, progress) -> None:
+    """Saturation search of the plan's configurations, the choice and its flags, into ``plan.report``."""
+    out, exp = plan.report, plan.exp
+    res, cost = _simulate(exp, plan.names, budget, progress)
     out["budget"] = cost
     if cost["requests"] == 0:
         out["no_choice"] = ("the simulated steady windows held no requests: the replay of this trace offers too "
                             "few requests at these loads (a session trace replays only the sessions it has); "
                             "try a longer --sim-steady-s or a trace with more sessions")
-        return out
+        return
     if cost["requests"] < FEW_REQUESTS_PER_POINT * cost["points"]:
         out["warning"] = (f"the steady windows held {cost['requests'] / cost['points']:.0f} requests per point on "
                           f"average (< {FEW_REQUESTS_PER_POINT}): too few to tell configurations apart; raise "
                           "--sim-steady-s (session traces need windows longer than their think times)")
     ch = choose(res["configs"])
-    sat_qps = (res["configs"][ch.config]["saturation_qps_per_gpu"] or cap) * used
-    c_rate, w_rate = cw.rates(sat_qps)
+    sat_qps = (res["configs"][ch.config]["saturation_qps_per_gpu"] or plan.cap) * plan.used
+    c_rate, w_rate = plan.cw.rates(sat_qps)
+    pcfg = PlannerConfig()
     out.update(
-        configs={c: {**{k: v for k, v in r.items() if k != "points"}, "first_fail": _first_fail(r["points"], exp["slo"])}
-                 for c, r in res["configs"].items()},
+        configs={c: {**{k: v for k, v in r.items() if k != "points"},
+                     "first_fail": _first_fail(r["points"], exp["slo"])} for c, r in res["configs"].items()},
         choice=dataclasses.asdict(ch),
         serve_flags=serve_flags(ch.config, out["pools"], exp["slo"]["ttft_s"], exp["slo"]["tpot_s"]))
     out["split"].update(
-        load_per_worker_at_choice=_loads_at(cw, split, sat_qps),
-        planner_from_split=planner_settles(c_rate, w_rate, side, split.pre_prefill, pcfg).pre_prefill,
-        planner_from_one=planner_settles(c_rate, w_rate, side, pcfg.min_pre_prefill, pcfg).pre_prefill)
-    return out
+        load_per_worker_at_choice=_loads_at(plan.cw, plan.split, sat_qps),
+        planner_from_split=planner_settles(c_rate, w_rate, plan.side, plan.split.pre_prefill, pcfg).pre_prefill,
+        planner_from_one=planner_settles(c_rate, w_rate, plan.side, pcfg.min_pre_prefill, pcfg).pre_prefill)
 
 
 def _histogram(targets: Sequence[int]) -> dict[str, int]:
@@ -368,4 +401,5 @@ def default_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-__all__ = ["CONFIG_ORDER", "SimBudget", "TooFewGpus", "TraceInput", "default_progress", "experiment", "markdown", "recommend"]
+__all__ = ["CONFIG_ORDER", "SimBudget", "TooFewGpus", "TraceInput", "default_progress", "experiment", "markdown",
+           "recommend"]
