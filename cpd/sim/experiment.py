@@ -183,7 +183,10 @@ def router_cost(exp: dict, pcost: RooflineCostModel):
 
 def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None
                   ) -> tuple[list[SimRequest], list]:
-    """(requests, prewarm block lists) for one point (``ramp_s + steady_s`` s of arrivals)."""
+    """(requests, prewarm block lists) for one point (``ramp_s + steady_s`` s of arrivals). A trace's
+    prompts are truncated to the model's context minus their output (``context_len``, default the
+    modeled model's ``max_context``), as the live replay truncates them to the served model's: the
+    engines refuse longer prompts (Claude Code sessions reach 424K tokens)."""
     w = dict(exp["workload"])
     w.update(overrides or {})
     kind = w.pop("kind", "agent")
@@ -197,6 +200,8 @@ def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None
              "spread_ticks": w.get("spread_ticks_s", 0.0) > 0, "tick_ms": 1000.0 * w.get("spread_ticks_s", 3.0)}
         kind = "trace"
     if kind == "trace":
+        if w.get("context_len") is None:  # as the live replay: prompts fit the served model's context
+            w["context_len"] = _costs(exp)[0].model.max_context
         return trace_point(w, total_qps, dur, exp.get("block_size", 512), seed), []
     raise ValueError(f"unknown workload kind {kind!r}")
 

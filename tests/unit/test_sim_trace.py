@@ -37,3 +37,17 @@ def test_simulate_cli_takes_a_claude_code_trace(tmp_path):
     bad.write_text("nope\n")
     r = CliRunner().invoke(app, ["--trace", str(bad), "--out", str(tmp_path / "o2")])
     assert r.exit_code == 2 and "bad.jsonl:1: expected" in r.output
+
+
+def test_trace_prompts_fit_the_modeled_context():
+    """Claude Code sessions reach ~424K-token prompts; a simulated point truncates them to the modeled
+    model's context minus their output, as the live replay does, instead of the engines refusing them
+    mid-run (which ended the whole point with a ValueError)."""
+    from cpd.sim.experiment import _costs, load_experiment, make_workload
+    from tests.conftest import SHARED
+    exp = load_experiment("reference_b200")
+    exp.update({"ramp_s": 5, "steady_s": 200, "workload": {"kind": "trace", "path": str(SHARED / "data" / "traces" / "claude_code"), "max_idle_s": 60.0}})
+    reqs, _ = make_workload(exp, 2.0, seed=1)
+    ctx = _costs(exp)[0].model.max_context
+    assert reqs and max(r.prompt_tokens + r.output_tokens for r in reqs) <= ctx
+    assert max(r.prompt_tokens for r in reqs) > ctx // 2  # long sessions are kept, cut at the context
