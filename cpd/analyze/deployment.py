@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from cpd.analyze.recommend import (CONFIG_ORDER, ELASTIC, ClassWork, choose, classify, decode_nodes, own_work_s,
-                                   planner_settles, serve_flags, sim_configs, split_prefill_side, window_splits)
+                                   planner_settles, seeds_vary, serve_flags, sim_configs, split_prefill_side,
+                                   window_splits)
 from cpd.policy.roles import PlannerConfig
 
 RAMP_S = 5.0
@@ -368,7 +369,8 @@ def markdown(rec: dict[str, Any]) -> list[str]:
           "goodput, TTFT p90, TPOT p90 |", "|---|---:|---|---:|---|---|"]
     for c, d in rec["configs"].items():
         lo, hi = d["ci"]
-        ci = f"[{lo:.3f}, {hi:.3f}]" if d["n_seeds"] >= 2 and lo is not None else "— (one seed)"
+        ci = ("— (one seed)" if d["n_seeds"] < 2 or lo is None else
+              f"[{lo:.3f}, {hi:.3f}]" + ("" if seeds_vary(d) else " (seeds identical)"))
         busy = ", ".join(f"{k} {v:.2f}" for k, v in d.get("busy_fraction_at_saturation", {}).items()) or "—"
         L.append(f"| {c} | {_sat(d)} | {ci} | {d['n_seeds']} | {busy} | {_fail(d.get('first_fail'))} |")
     if rec.get("warning"):

@@ -24,8 +24,10 @@ Rules (pure functions, tested on constructed inputs):
 4. **Configuration** (:func:`choose`): the highest mean saturation QPS/GPU
    (:func:`cpd.sim.sweep.compare` on the trace, same GPUs for every configuration); ties on the
    mean go to the simpler configuration (:data:`CONFIG_ORDER`). The choice is *separated* from
-   the runner-up only with at least two seeds and disjoint 95 % intervals, and only when neither
-   saturation is a bound (``at-least`` / ``below``); otherwise the report says it is not.
+   the runner-up only with at least two seeds that gave different saturations (identical seeds:
+   the replay does not vary with the seed, e.g. a timed trace, and measure no spread) and
+   disjoint 95 % intervals, and only when neither saturation is a bound (``at-least`` /
+   ``below``); otherwise the report says it is not.
 """
 from __future__ import annotations
 
@@ -229,6 +231,16 @@ def _fmt(d: Mapping[str, Any]) -> str:
     return s
 
 
+def seeds_vary(d: Mapping[str, Any]) -> bool:
+    """The seeds gave different saturations (an interval of zero width from identical seeds
+    measures no spread: the workload did not vary with the seed)."""
+    per = d.get("per_seed")
+    if per:
+        return len(set(per)) > 1
+    lo, hi = d.get("ci") or (None, None)
+    return lo is not None and hi is not None and hi > lo
+
+
 def choose(configs: Mapping[str, Mapping[str, Any]]) -> Choice:
     """Rule 4 on ``compare()["configs"]`` (``saturation_qps_per_gpu``, ``ci``, ``n_seeds``,
     ``at_least``, ``below_lowest``)."""
@@ -254,7 +266,8 @@ def choose(configs: Mapping[str, Mapping[str, Any]]) -> Choice:
     lo_b, hi_b = interval(b)
     within = tuple(sorted((c for c in ranked if interval(configs[c])[1] >= lo_b), key=_order))
     seeds = min(int(b.get("n_seeds", 1)), int(r.get("n_seeds", 1)))
-    sep = seeds >= 2 and bounded(b) and bounded(r) and lo_b > interval(r)[1]
+    varied = seeds_vary(b) or seeds_vary(r)
+    sep = seeds >= 2 and varied and bounded(b) and bounded(r) and lo_b > interval(r)[1]
     figs = f"{best} {_fmt(b)} vs {ru} {_fmt(r)} QPS/GPU"
     if sep:
         why = f"{figs}: the 95 % intervals are disjoint"
@@ -263,6 +276,9 @@ def choose(configs: Mapping[str, Mapping[str, Any]]) -> Choice:
                "rerun with other --sim-loads)")
     elif seeds < 2:
         why = f"{figs}: not separated from {ru} (one seed gives no interval; rerun with --sim-seeds 3)"
+    elif not varied:
+        why = (f"{figs}: not separated from {ru} (every seed gave the same saturation: the replay does not vary "
+               "with the seed, as a timed trace replays the same arrivals, so the seeds measure no spread)")
     else:
         why = f"{figs}: not separated from {ru} (the 95 % intervals overlap)"
     return Choice(best, ru, sep, why, within)
@@ -310,8 +326,8 @@ def cpd_verdict(configs: Mapping[str, Mapping[str, Any]]) -> str:
 
     "CPD pays" only when the best CPD configuration's saturation and pd's are both bounded by the
     searched loads, the CPD one is more than 5 % higher, and (two or more seeds) their 95 %
-    intervals are disjoint; "does not pay" when both are bounded and the CPD one is at most 5 %
-    higher; otherwise "no supported verdict"."""
+    intervals are disjoint (seeds that all gave the same saturation count as one); "does not pay"
+    when both are bounded and the CPD one is at most 5 % higher; otherwise "no supported verdict"."""
     cpds = [c for c in configs if c.startswith("cpd")]
     if "pd" not in configs or not cpds:
         return "* **no supported verdict**: pd and a CPD configuration must both be simulated."
@@ -327,6 +343,6 @@ def cpd_verdict(configs: Mapping[str, Mapping[str, Any]]) -> str:
     if g <= 0.05:
         return f"* **CPD does not pay here**: {figs} ({g * 100:+.0f} %)."
     seeds = min(int(b.get("n_seeds", 1)), int(p.get("n_seeds", 1)))
-    if seeds < 2 or b["ci"][0] > p["ci"][1]:
+    if seeds < 2 or not (seeds_vary(b) or seeds_vary(p)) or b["ci"][0] > p["ci"][1]:
         return f"* **CPD pays**: {figs} ({g * 100:+.0f} %)."
     return f"* **no supported verdict**: {figs} ({g * 100:+.0f} %): the 95 % intervals overlap."

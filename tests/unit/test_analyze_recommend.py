@@ -131,6 +131,20 @@ def test_choose_separated_only_with_disjoint_intervals():
     assert tie.config == "pd-l3"                                  # equal means: the simpler one
 
 
+def test_choose_identical_seeds_measure_no_spread():
+    """Three seeds that all gave the same saturation (a timed trace replays the same arrivals for
+    every seed) make a zero-width interval: that is no evidence of separation."""
+    same = {"pd": {**_cfg(1.898, n=3), "per_seed": [1.898] * 3}, "cpd": {**_cfg(1.95, n=3), "per_seed": [1.95] * 3}}
+    ch = choose(same)
+    assert ch.config == "cpd" and not ch.separated and "same saturation" in ch.why
+    varied = {"pd": {**_cfg(1.9, 1.85, 1.95, 3), "per_seed": [1.85, 1.9, 1.95]},
+              "cpd": {**_cfg(2.2, 2.1, 2.3, 3), "per_seed": [2.1, 2.2, 2.3]}}
+    assert choose(varied).separated
+    # the verdict counts identical seeds as one seed: a 10 % gain is a gain, not a measured separation
+    assert "CPD pays" in cpd_verdict({"pd": {**_cfg(1.0, n=3), "per_seed": [1.0] * 3},
+                                      "cpd": {**_cfg(1.1, n=3), "per_seed": [1.1] * 3}})
+
+
 def _parse(flags):
     from cpd.config import FLAGS, add_argparse_flags, argparse_overrides, build_config
     p = argparse.ArgumentParser()
