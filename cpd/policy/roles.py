@@ -17,9 +17,11 @@ Rule, per call (at most one change; every change carries a human-readable reason
 2. Minimums first: a pool below its minimum (``min_pre_prefill`` / ``min_prefill``) gets a worker
    from the other pool if that one stays at or above its own minimum.
 3. Otherwise a worker moves from pool S to pool D only if all hold:
-   a. the move lowers the larger per-worker load ``max(u_S, u_D)`` by more than ``hysteresis``
-      (relative), computed with the counts after the move. The reverse move then raises that
-      maximum, so a steady load never moves a worker back and forth;
+   a. the move lowers the larger per-worker load ``max(u_S, u_D)`` by more than
+      ``min(hysteresis, 0.5 / (n_D + 1))`` (relative; :func:`required_gain`: one more worker in a
+      pool of ``n_D`` lowers its load by ``1 / (n_D + 1)`` at most, so a large pool still grows),
+      computed with the counts after the move. Every move strictly lowers that maximum and the
+      reverse move would raise it, so a steady load never moves a worker back and forth;
    b. D is busy: ``u_D >= BUSY_UTILIZATION`` or its measured TTFT SLO attainment is below
       ``ATTAINMENT_TARGET`` (moving a worker to an idle pool buys nothing, and costs the moved
       worker its warm L1 prefixes);
@@ -137,13 +139,22 @@ def _describe(obs: RoleObservation, counts: Mapping[Role, int], demand: Mapping[
             f"{dst} p90 wait {p.wait_s_p90:.2f} s, TTFT SLO attainment {p.ttft_slo_attainment:.2f}")
 
 
+def required_gain(cfg: PlannerConfig, num_dst_workers: int) -> float:
+    """Rule 3a's threshold: the relative drop of the larger per-worker load a move into a pool of
+    ``num_dst_workers`` must exceed: ``hysteresis``, capped at half of what one more worker can
+    gain there at most (``1 / (num_dst_workers + 1)``), so that a large pool still grows one worker
+    at a time toward its target (a flat 20 % stopped a pool at 4 workers, whose 5th worker can
+    lower its load by 20 % at most)."""
+    return min(cfg.hysteresis, 0.5 / (num_dst_workers + 1))
+
+
 def _balance_reason(src: Role, dst: Role, counts: Mapping[Role, int], demand: Mapping[Role, float],
                     obs: RoleObservation, cfg: PlannerConfig) -> str | None:
     """Rules 3a-3c for moving one worker ``src`` → ``dst``: the reason, or None if the move is not due."""
     u_src, u_dst = (_load_per_worker(demand[r], counts[r]) for r in (src, dst))
     before = max(u_src, u_dst)
     after = max(_load_per_worker(demand[src], counts[src] - 1), _load_per_worker(demand[dst], counts[dst] + 1))
-    if not after < (1.0 - cfg.hysteresis) * before:
+    if not after < (1.0 - required_gain(cfg, counts[dst])) * before:
         return None
     p_src, p_dst = _pool(obs, src), _pool(obs, dst)
     if u_dst < BUSY_UTILIZATION and p_dst.ttft_slo_attainment >= ATTAINMENT_TARGET:

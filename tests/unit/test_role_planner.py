@@ -163,8 +163,8 @@ def test_planner_follows_a_scripted_load_through_the_window_without_oscillating(
     """Phase 1 (0-300 s): cold-heavy traffic (3.2 s/s cold, 0.8 s/s warm); phase 2 (300-600 s):
     warm-heavy (0.4 / 3.6). The pools follow each phase with one-way moves and stay put once
     balanced: 4 + 2 in phase 1 (5 + 1 would only take the larger per-worker load from 0.8 to
-    0.8 s/s), 2 + 4 in phase 2 (1 + 5 would take it from 0.9 to 0.72, not more than the 20 %
-    hysteresis)."""
+    0.8 s/s), 1 + 5 in phase 2 (2 + 4 -> 1 + 5 takes it from 0.9 to 0.72: 20 %, more than the 10 %
+    a move into a pool of 4 must gain, roles.required_gain; the pre-prefill minimum stops there)."""
     win, state, workers = RoleWindow(window_s=30.0), PlannerState(), _workers(1, 5)
     changes_at: list[tuple[float, RoleChange]] = []
     t = 0.0
@@ -183,5 +183,16 @@ def test_planner_follows_a_scripted_load_through_the_window_without_oscillating(
     phase1 = [c for t_s, c in changes_at if t_s <= 300]
     phase2 = [c for t_s, c in changes_at if t_s > 300]
     assert {c.to_role for c in phase1} == {PP} and {c.to_role for c in phase2} == {P}
-    assert split_phase1 == (4, 2) and (_count(workers, PP), _count(workers, P)) == (2, 4)
-    assert max(t_s for t_s, c in changes_at if t_s <= 300) < 100 and len(changes_at) == 5
+    assert split_phase1 == (4, 2) and (_count(workers, PP), _count(workers, P)) == (1, 5)
+    assert max(t_s for t_s, c in changes_at if t_s <= 300) < 100 and len(changes_at) == 6
+
+
+@pytest.mark.parametrize("n", [4, 10, 16])
+def test_a_large_pool_still_grows_to_its_target(n):
+    """All-cold work on n workers, starting at 1 pre-prefill: the pre-prefill pool grows one worker at
+    a time to n - 1 (the prefill minimum keeps one), although from 5 workers on one more worker lowers
+    the per-worker load by less than the 20 % hysteresis; then nothing moves back."""
+    cfg = dataclasses.replace(CFG, min_dwell_s=0.0)
+    workers, log = _run(_workers(1, n - 1), lambda t: (float(n), 0.5), 4 * n, cfg)
+    assert (_count(workers, PP), _count(workers, P)) == (n - 1, 1)
+    assert [c.to_role for _, c in log] == [PP] * (n - 2)
