@@ -209,7 +209,9 @@ def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None
 def trace_point(w: dict, total_qps: float, dur: float, sim_block_tokens: int, seed: int) -> list[SimRequest]:
     """A trace at ``total_qps`` with the live replay's arrival model (:mod:`cpd.traces.arrivals`).
 
-    Timed traces (Mooncake, Azure) are time-scaled to ``total_qps``. Claude Code sessions start as
+    Timed traces (Mooncake, Azure) are time-scaled to ``total_qps``; their one arrival sequence would
+    make every seed replay the same requests, so each seed starts at its own request
+    (:func:`slice_start`, unless the workload sets ``start``). Claude Code sessions start as
     a Poisson process at ``total_qps / mean requests per session`` (open loop), unless ``users``
     is set (closed loop, ``total_qps`` then ignored). Only requests arriving before ``dur`` (open
     loop) and only the sessions that start before it are converted.
@@ -226,12 +228,24 @@ def trace_point(w: dict, total_qps: float, dur: float, sim_block_tokens: int, se
         reqs = trace.sessions[0].requests
         natural = len(reqs) / max(1e-9, reqs[-1].t_s - reqs[0].t_s)
         opts.time_scale = total_qps / natural
+        if "start" not in w:
+            opts.start = slice_start(n, int(total_qps * dur) + 1, opts.seed)
     elif opts.users is None:
         opts.session_rate = total_qps / (n / len(trace.sessions))
         starts = poisson_starts(len(trace.sessions), opts.session_rate, opts.seed)
         opts.max_sessions = max(1, sum(1 for s in starts if s < dur))
     out = trace_workload(trace, opts, sim_block_tokens)
     return out if opts.users is not None else [r for r in out if r.arrival_s < dur]
+
+
+def slice_start(num_requests: int, num_needed: int, seed: int) -> int:
+    """The first request of a timed trace's slice for ``seed``: uniform over the starts that leave
+    ``num_needed`` requests (0 when the trace has no more than that; then every seed replays the
+    same requests and the seeds' interval has no width)."""
+    import random
+
+    room = num_requests - num_needed
+    return random.Random(seed).randrange(room + 1) if room > 0 else 0
 
 
 _TRACES: dict = {}

@@ -51,3 +51,18 @@ def test_trace_prompts_fit_the_modeled_context():
     ctx = _costs(exp)[0].model.max_context
     assert reqs and max(r.prompt_tokens + r.output_tokens for r in reqs) <= ctx
     assert max(r.prompt_tokens for r in reqs) > ctx // 2  # long sessions are kept, cut at the context
+
+
+def test_seeds_replay_different_slices_of_a_timed_trace():
+    """A timed trace has one arrival sequence: each seed starts at its own request (deterministic per
+    seed), so seeds give a real spread; an explicit ``start`` is kept."""
+    from cpd.sim.experiment import load_experiment, make_workload, slice_start
+    exp = load_experiment("reference_b200")
+    exp.update({"ramp_s": 5, "steady_s": 20, "workload": {"kind": "trace", "path": str(TRACE)}})
+    first = {seed: make_workload(exp, 4.0, seed)[0][0].blocks for seed in (1, 2, 3)}
+    assert len(set(first.values())) == 3
+    assert make_workload(exp, 4.0, 2)[0][0].blocks == first[2]
+    exp["workload"]["start"] = 0
+    assert make_workload(exp, 4.0, 1)[0][0].blocks == make_workload(exp, 4.0, 2)[0][0].blocks
+    assert slice_start(100, 100, 7) == 0 and slice_start(100, 500, 7) == 0
+    assert all(0 <= slice_start(1000, 100, s) <= 900 for s in range(50))
