@@ -99,6 +99,7 @@ class BatchMetadata:
     decode_identity: bool = False
     decode_rows_used: int = 0
     decode_len: int = 0
+    decode_lens: list[int] | None = None  # context length of each decode row (in decode_q order)
     _seqs: list[tuple[int, int, torch.Tensor]] | None = None
 
     @property
@@ -206,6 +207,7 @@ def _decode_gather_meta(meta: BatchMetadata, tables: list[Sequence[int]], lens: 
     padded = [list(bt[:max_blocks]) + [0] * (max_blocks - min(len(bt), max_blocks)) for bt in tables]
     meta.decode_blocks = torch.tensor(padded, dtype=torch.int64).reshape(-1).to(meta.device)
     meta.decode_max_blocks = max_blocks
+    meta.decode_lens = list(lens)
     meta.decode_mask = _length_mask(lens, max_blocks * bs, meta.device)
 
 
@@ -221,6 +223,7 @@ def _decode_arena_meta(meta: BatchMetadata, rows: list[int], lens: list[int]) ->
     meta.decode_identity = rows == list(range(len(rows)))
     meta.decode_rows_used = used
     meta.decode_len = width
+    meta.decode_lens = list(lens)
     meta.decode_mask = _length_mask(per_row, width, meta.device)
 
 
@@ -352,6 +355,8 @@ class DecoderLayer(nn.Module):
         values and are masked (probability exactly 0); no mask when nothing is padded."""
         B = q.shape[0]
         nkv, d = self.nkv, self.d
+        if q.dtype != torch.float32 and meta.decode_lens is not None:
+            return self._attend_decode_exact(q, kv_layer, meta, arena_layer)
         if meta.decode_rows is not None and arena_layer is not None:
             R, Tm = meta.decode_rows_used, meta.decode_len
             kv = arena_layer[:, :R, :Tm]  # [2, R, Tm, nkv, d] view
@@ -371,6 +376,30 @@ class DecoderLayer(nn.Module):
         o = F.scaled_dot_product_attention(q.view(B, self.nh, 1, d), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
                                            attn_mask=meta.decode_mask, enable_gqa=True)
         return o.view(B, self.nh * d)
+
+    def _attend_decode_exact(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata,
+                             arena_layer: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention in reduced precision: one unmasked SDPA call per row over exactly its
+        own context, so a row's result does not depend on the batch it runs in. In bf16 the
+        padded, masked batch call of :meth:`_attend_decode` takes other kernels than a lone row's
+        unmasked call, and their rounding differed enough to flip greedy tokens (batched decode vs
+        the same prompt alone, on an AVX2 CPU); the oracle (same greedy tokens on every path)
+        outranks the one fused call. float32 keeps the fused call (its paths agree)."""
+        assert meta.decode_lens is not None
+        nh, nkv, d, bs = self.nh, self.nkv, self.d, kv_layer.shape[2]
+        outs = []
+        for i, n in enumerate(meta.decode_lens):
+            if meta.decode_rows is not None and arena_layer is not None:
+                kv = arena_layer[:, int(meta.decode_rows[i]), :n]  # [2, n, nkv, d]
+            else:
+                if meta.decode_blocks is None:
+                    raise ValueError("batched decode attention needs meta.decode_blocks or arena rows")
+                blocks = meta.decode_blocks.view(-1, meta.decode_max_blocks)[i, :-(-n // bs)]
+                kv = kv_layer.index_select(1, blocks).reshape(2, -1, nkv, d)[:, :n]
+            kv = kv.to(q.dtype)
+            outs.append(F.scaled_dot_product_attention(q[i].view(1, nh, 1, d), kv[0].transpose(0, 1)[None],
+                                                       kv[1].transpose(0, 1)[None], enable_gqa=True).view(1, nh * d))
+        return torch.cat(outs)
 
     def _attend_per_seq(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         seqs: list[tuple[int, int, torch.Tensor]], T: int | None = None,
