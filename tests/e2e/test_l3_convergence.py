@@ -59,7 +59,7 @@ def _store_l3_blocks(dep, prompt) -> None:
     """A cold request writes the prompt through to L3; wait until the router saw it announced."""
     before = _index_sizes(dep)["L3"]
     complete(dep, prompt, MAX_TOKENS)
-    _wait(lambda: _index_sizes(dep)["L3"] >= before + len(prompt) // BS, what="L3 announcements")
+    _wait(lambda: _index_sizes(dep)["L3"] >= before + len(prompt) // BS, timeout_s=60.0, what="L3 announcements")
 
 
 def _plan_vs_actual(dep, prompt) -> tuple[dict, dict, list[int]]:
