@@ -78,6 +78,23 @@ def test_l2_promotion_waits_the_modeled_transfer_time():
     assert l2 == pytest.approx([ex.cost_model.transfer_time_s("L2", n_l2 * ex.kv_bytes_per_token)], rel=1e-12)
 
 
+def _prefill_to_handoff(pre: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """Run a ``"prefill"``-mode request on ``pre`` until its first output; that output's tokens."""
+    pre.add_request(EngineRequest(rid, prompt, sp, mode="prefill"))
+    first: list = []
+    while not first:
+        first = [o for o in pre.step() if o.request_id == rid]
+    return list(first[0].new_token_ids)
+
+
+def _decode_to_end(dec: Engine, rid: str) -> list[int]:
+    """Step ``dec`` until it has nothing left; the tokens ``rid`` produced."""
+    got: list[int] = []
+    while dec.has_unfinished():
+        got += [t for o in dec.step() if o.request_id == rid for t in o.new_token_ids]
+    return got
+
+
 def test_pseudo_tokens_are_path_independent_through_a_handoff():
     p = _prompt(333)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -85,17 +102,12 @@ def test_pseudo_tokens_are_path_independent_through_a_handoff():
     want = one.generate(p, sp)
     pre, _ = _engine()
     dec, ex_dec = _engine()
-    pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
-    first = []
-    while not first:
-        first = [o for o in pre.step() if o.request_id == "r"]
+    first = _prefill_to_handoff(pre, "r", p, sp)
     kv, toks = pre.export_kv("r")
     assert kv.shape == (1, 2, len(toks) - 1, 1, ex_dec.kv_layout.head_dim)
     pre.release("r")
     dec.add_decode_request("r", toks, kv, sp, num_generated=1)
-    got = list(first[0].new_token_ids)
-    while dec.has_unfinished():
-        got += [t for o in dec.step() if o.request_id == "r" for t in o.new_token_ids]
+    got = first + _decode_to_end(dec, "r")
     assert got == want
     assert want == [pseudo_token(p + want[:i], len(p) + i, one.vocab_size) for i in range(6)]
     for e in (one, pre, dec):
@@ -128,19 +140,14 @@ def test_import_held_continues_like_add_decode_request_and_checks_the_receivers_
     for in_process in (False, True):
         pre, _ = _engine()
         dec, _ = _engine()
-        pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
-        first = []
-        while not first:
-            first = [o for o in pre.step() if o.request_id == "r"]
+        first = _prefill_to_handoff(pre, "r", p, sp)
         if in_process:
             dec.import_held(pre, "r")
         else:
             kv, toks = pre.export_kv("r")
             dec.add_decode_request("r", toks, kv, sp, num_generated=1)
         pre.release("r")
-        got = list(first[0].new_token_ids)
-        while dec.has_unfinished():
-            got += [t for o in dec.step() if o.request_id == "r" for t in o.new_token_ids]
+        got = first + _decode_to_end(dec, "r")
         for e in (pre, dec):
             e.check_invariants()
             assert e.pool_stats()["num_in_use"] == 0
@@ -150,9 +157,7 @@ def test_import_held_continues_like_add_decode_request_and_checks_the_receivers_
     cm = RooflineCostModel.build("Llama-3.1-8B", "b200", 4)
     small_vocab = ModeledModelConfig(vocab_size=1000, max_position_embeddings=cm.model.max_context)  # ids here >= 1000
     small = Engine(None, num_blocks=256, block_size=BS, executor=ModeledExecutor(cm, small_vocab, clock=RecordingClock()))
-    pre.add_request(EngineRequest("r", p, sp, mode="prefill"))
-    while not [o for o in pre.step() if o.request_id == "r"]:
-        pass
+    _prefill_to_handoff(pre, "r", p, sp)
     with pytest.raises(ValueError):
         small.import_held(pre, "r")
     with pytest.raises(TypeError):
