@@ -207,8 +207,12 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._inbox_lock = threading.Lock()
         self._step_lock = threading.Lock()
-        self.l2_load_bytes = 0  # L2 -> L1 promotions, for measured-bandwidth estimates
+        # Measured bandwidth per tier, for the router's estimates: modeled bytes (block_bytes)
+        # over the time of the whole load, the executor's transfer wait included.
+        self.l2_load_bytes = 0  # L2 -> L1 promotions
         self.l2_load_seconds = 0.0
+        self.l3_load_bytes = 0  # L3 store -> L1 loads (lookup, read, copy-in, transfer)
+        self.l3_load_seconds = 0.0
         self._live_ids: set[str] = set()
         self._pending_outputs: list[StepOutput] = []
         self._pending_prefill_tokens = 0
@@ -664,6 +668,7 @@ class Engine:
     def _load_l3(self, r: _Req, hashes: list[int], k: int, limit: int) -> int:
         """Load up to ``limit`` blocks after the first ``k`` from the L3 store into fresh L1
         blocks; returns how many were loaded. Every store fault is a miss (recompute)."""
+        t0 = time.perf_counter()
         arrays = self._l3_fetch(hashes[k:k + limit]) if limit > 0 else None
         if not arrays:
             return 0
@@ -675,6 +680,8 @@ class Engine:
             self.pool.release(new)
             return 0
         self.executor.transfer("L3", len(new) * self.block_size)
+        self.l3_load_seconds += time.perf_counter() - t0
+        self.l3_load_bytes += len(new) * self.block_bytes
         self._register_loaded(r, hashes, k, new, "L3")
         r.blocks.extend(new)
         return len(new)

@@ -56,8 +56,6 @@ class L3Connector:
         self.write_async = write_async
         self.fallback_counts: Counter[str] = Counter()
         self.blocks_saved = 0
-        self.load_bytes = 0  # bytes of successful loads (for bandwidth estimates)
-        self.load_seconds = 0.0  # wall time of those loads
         self.last_error: BaseException | None = None
         self.max_pending_bytes = int(max_pending_bytes)
         self._pending_bytes = 0
@@ -111,8 +109,7 @@ class L3Connector:
 
     def load(self, block_hashes: Sequence[int]) -> list[np.ndarray] | None:
         """One array per block (checksum verified) or ``None`` (miss / corrupt / unreachable).
-        Successful loads add to :attr:`load_bytes` / :attr:`load_seconds`."""
-        t0 = time.perf_counter()
+        (Load bandwidth is measured by the engine: ``Engine.l3_load_bytes`` / ``l3_load_seconds``.)"""
         try:
             blocks, reason = self.store.read_blocks(block_hashes)
         except StoreTimeout:
@@ -124,9 +121,6 @@ class L3Connector:
         if blocks is None:
             self._count(reason)
             return None
-        with self._lock:
-            self.load_seconds += time.perf_counter() - t0
-            self.load_bytes += sum(int(b.nbytes) for b in blocks)
         return blocks
 
     def save(self, block_hashes: Sequence[int], parent_block_hash: int | None,

@@ -114,10 +114,12 @@ class WorkerState:
 
     def new_transfers(self) -> dict[Tier, tuple[int, float]]:
         """Bytes loaded and seconds spent per tier since the last call: ``{L2: (bytes, s),
-        L3: (bytes, s)}`` (L2 = host-pool promotions, L3 = store loads)."""
-        now = {Tier.L2: (self.engine.l2_load_bytes, self.engine.l2_load_seconds)}
+        L3: (bytes, s)}`` (L2 = host-pool promotions, L3 = store loads), as the engine measures
+        them: KV bytes of the served (or modeled) model over the whole load's time."""
+        eng = self.engine
+        now = {Tier.L2: (eng.l2_load_bytes, eng.l2_load_seconds)}
         if self.connector is not None:
-            now[Tier.L3] = (self.connector.load_bytes, self.connector.load_seconds)
+            now[Tier.L3] = (eng.l3_load_bytes, eng.l3_load_seconds)
         out = {}
         for tier, (b, t) in now.items():
             b0, t0 = self._transfers_reported.get(tier, (0, 0.0))

@@ -202,3 +202,34 @@ def test_modeled_engine_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_l3_loads_report_modeled_bytes_over_the_modeled_transfer_time():
+    """The worker reports ``Engine.l3_load_bytes / l3_load_seconds`` to the router, which turns
+    them into its L3 bandwidth estimate: the bytes must be the modeled KV bytes (not the small
+    payload) and the seconds must include the modeled (dilated) transfer wait."""
+    from cpd.store import open_store
+    from cpd.store.connector import L3Connector
+
+    dilation = 50.0
+    ex = build_modeled_executor("llama-3.1-8b", "b200", 4, time_dilation=dilation)  # a real (wall) clock
+    store = open_store("mem://l3-counters", capacity_bytes=1 << 30)
+    sc = SchedulerConfig(max_num_batched_tokens=512, max_prefill_chunk_tokens=512, max_num_seqs=8)
+    writer = Engine(None, num_blocks=64, block_size=BS, executor=ex, scheduler_config=sc,
+                    connector=L3Connector(store, write_async=False))
+    prompt = _prompt(320)
+    writer.add_request(EngineRequest("w", prompt, SamplingParams(max_tokens=1), write_through=True))
+    while writer.has_unfinished():
+        writer.step()
+    reader = Engine(None, num_blocks=64, block_size=BS, executor=ex, scheduler_config=sc,
+                    connector=L3Connector(store, write_async=False))
+    reader.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=1)))
+    first = None
+    while first is None:
+        first = next((o for o in reader.step() if o.request_id == "r"), None)
+    n_l3 = first.num_cached_tokens_by_tier["L3"]
+    assert n_l3 == (len(prompt) - 1) // BS * BS
+    assert reader.l3_load_bytes == n_l3 * ex.kv_bytes_per_token
+    modeled_s = ex.cost_model.transfer_time_s("L3", n_l3 * ex.kv_bytes_per_token) * dilation
+    assert modeled_s < reader.l3_load_seconds < modeled_s + 1.0
+    assert writer.l3_load_bytes == 0 and writer.l3_load_seconds == 0.0
