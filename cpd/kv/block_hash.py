@@ -14,10 +14,13 @@ and Python versions. The scheme follows vLLM's prefix-caching design
 (``vllm/v1/core/kv_cache_utils.py``: parent hash + block tokens + extra keys),
 with SHA-256 over canonical bytes instead of pickle.
 
-Speed (issue 13): the tokens are turned into one contiguous ``u32le`` buffer and each block
-costs one ``hashlib.sha256`` call over a slice of it; runs of blocks already hashed after the
-same parent (a session's growing prompt) are reused from a bounded LRU keyed by their exact
-bytes. The definition above is unchanged (the pinned vectors still hold). SHA-256 stays the
+Speed (issue 13): the tokens are turned into one contiguous ``u32le`` buffer and the chain
+runs over it. Where the optional C extension ``cpd/kv/_chain_sha256.c`` is built (by ``pip
+install``, given a C compiler and the OpenSSL headers) the packing and the whole chain are
+one C call each over OpenSSL's SHA-256 (≈ 0.14 µs per 16-token block with SHA-NI).
+Otherwise each block costs one ``hashlib.sha256`` call (≈ 0.85 µs), and runs of blocks
+already hashed after the same parent (a session's growing prompt) are reused from a bounded
+LRU keyed by their exact bytes. Both paths give the same bytes. The definition above is unchanged (the pinned vectors still hold). SHA-256 stays the
 primitive because the namespace is a tenant boundary: a constructible collision would let
 one tenant's blocks stand for another's. The 64-bit truncation keeps second preimages (what
 reaching a victim's block needs) at ~2**64 work; widening it would change every store key and
@@ -33,7 +36,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -94,10 +97,11 @@ def hash_block(parent_hash: int, block_token_ids: Sequence[int], extra_keys: byt
 def hash_blocks(token_ids: Sequence[int], namespace: Namespace, parent_hash: int | None = None) -> list[int]:
     """Chained hashes of every *full* block of ``token_ids``.
 
-    Computed over the tokens' contiguous ``u32le`` bytes, one SHA-256 call per block; runs
-    of :data:`GROUP_BLOCKS` blocks already hashed after the same parent (a session's prompt
-    that grows) come from a bounded LRU keyed by the exact bytes (parent hash + tokens), so
-    a hit is exact, never a hash collision.
+    Computed over the tokens' contiguous ``u32le`` bytes, one SHA-256 call per block: in C
+    when the extension is built, else in Python, where runs of :data:`GROUP_BLOCKS` blocks
+    already hashed after the same parent (a session's prompt that grows) come from a bounded
+    LRU keyed by the exact bytes (parent hash + tokens), so a hit is exact, never a hash
+    collision.
 
     Args:
         token_ids: prompt token ids, length n (a list, or any integer array).
@@ -123,34 +127,47 @@ def hash_blocks_u32le(data: bytes | memoryview, namespace: Namespace, parent_has
     Returns:
         ``n // block_size`` hashes.
     """
-    bs = namespace.block_size
-    buf = data
-    n = len(buf) // (4 * bs)  # len in bytes: ``data`` is byte-format
+    step = 4 * namespace.block_size
+    n = len(data) // step  # len in bytes: ``data`` is byte-format
     if n == 0:
         return []
-    h = (_root(namespace) if parent_hash is None else parent_hash).to_bytes(8, "big")
-    step = 4 * bs
-    out = bytearray()
-    group = GROUP_BLOCKS * step
-    for g0 in range(0, n * step, group):
-        g1 = min(g0 + group, n * step)
-        key = h + buf[g0:g1]
-        got = _GROUPS.get(key)
-        if got is None:
-            got = _chain(h, buf, g0, g1, step)
-            _GROUPS.put(key, got)
-        out += got
-        h = got[-8:]
+    parent = (_root(namespace) if parent_hash is None else parent_hash).to_bytes(8, "big")
+    if _chain_native is not None:
+        out = _chain_native(parent, data, 0, n * step, step)
+    else:
+        out = _chain_grouped(parent, data, n * step, step)
     hashes: list[int] = np.frombuffer(out, dtype=">u8").tolist()
     return hashes
 
 
+def _chain_grouped(parent: bytes, buf: bytes | memoryview, end: int, step: int) -> bytes:
+    """The pure-Python path: :func:`_chain_py` over runs of :data:`GROUP_BLOCKS` blocks of
+    ``buf[:end]``, each run looked up first in the :data:`_GROUPS` LRU (keyed by the parent's
+    8 bytes + the run's bytes). The C path does not use the LRU: its loop over a whole
+    prompt costs less than the lookups."""
+    h = parent
+    out = bytearray()
+    group = GROUP_BLOCKS * step
+    for g0 in range(0, end, group):
+        g1 = min(g0 + group, end)
+        key = h + buf[g0:g1]
+        got = _GROUPS.get(key)
+        if got is None:
+            got = _chain_py(h, buf, g0, g1, step)
+            _GROUPS.put(key, got)
+        out += got
+        h = got[-8:]
+    return bytes(out)
+
+
 GROUP_BLOCKS = 32
-"""Blocks per cached run (the reuse granularity of :func:`hash_blocks`)."""
+"""Blocks per cached run (the reuse granularity of the pure-Python path)."""
 
 
-def _chain(parent: bytes, buf: bytes | memoryview, g0: int, g1: int, step: int) -> bytes:
-    """Concatenated 8-byte digests of the blocks ``buf[g0:g1]`` chained from ``parent``."""
+def _chain_py(parent: bytes, buf: bytes | memoryview, g0: int, g1: int, step: int) -> bytes:
+    """Concatenated 8-byte digests of the blocks ``buf[g0:g1]`` chained from ``parent``
+    (one ``hashlib.sha256`` call per block, ≈ 0.85 µs per 16-token block here; the C
+    ``chain`` computes the same bytes in ≈ 0.14 µs with SHA-NI)."""
     sha = hashlib.sha256
     mv = memoryview(buf)
     h = parent
@@ -161,8 +178,31 @@ def _chain(parent: bytes, buf: bytes | memoryview, g0: int, g1: int, step: int) 
     return bytes(out)
 
 
+_ChainFn = Callable[[bytes, bytes | memoryview, int, int, int], bytes]
+_U32leFn = Callable[[Sequence[int]], bytes | None]
+
+
+def _load_native() -> tuple[_ChainFn, _U32leFn] | tuple[None, None]:
+    """The C extension's ``chain`` and ``u32le`` (``cpd/kv/_chain_sha256.c``, built by
+    ``pip install`` where a C compiler and the OpenSSL headers exist), or ``(None, None)``."""
+    try:
+        from cpd.kv import _chain_sha256
+    except ImportError:
+        return None, None
+    return _chain_sha256.chain, _chain_sha256.u32le
+
+
+_chain_native, _u32le_native = _load_native()
+"""``None`` when the extension is not built: the pure-Python paths produce the same bytes
+(compared in ``tests/unit/test_block_hash.py``)."""
+
+
 def _u32le_bytes(token_ids: Sequence[int]) -> bytes:
-    """Contiguous little-endian u32 bytes of the token ids (range-checked)."""
+    """Contiguous little-endian u32 bytes of the token ids (range-checked). A list or tuple of
+    ints is packed by the C extension when built (≈ 5 ns per id against ≈ 10 – 13 for
+    ``array.array``); anything else, or no extension, takes the paths below."""
+    if _u32le_native is not None and (got := _u32le_native(token_ids)) is not None:
+        return got
     if isinstance(token_ids, np.ndarray):
         arr = token_ids
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from cpd.kv import block_hash as bh
 from cpd.kv.block_hash import Namespace, hash_block, hash_blocks, hash_hex
 
 NS = Namespace(model_id="test-model", weights_digest="w0", tokenizer_digest="t0")  # block_size 16
@@ -82,10 +87,16 @@ def _reference_chain(toks, ns, parent=None):
     return out
 
 
-def test_grouped_and_cached_hashing_equals_the_definition():
+@pytest.fixture
+def pure_python(monkeypatch):
+    """The pure-Python path (``hashlib`` per block, group LRU), as where the C extension is not built."""
+    monkeypatch.setattr(bh, "_chain_native", None)
+    monkeypatch.setattr(bh, "_u32le_native", None)
+
+
+def test_grouped_and_cached_hashing_equals_the_definition(pure_python):
     import random
 
-    from cpd.kv import block_hash as bh
     rng = random.Random(7)
     bh._GROUPS.clear()
     g = bh.GROUP_BLOCKS * NS.block_size
@@ -96,10 +107,9 @@ def test_grouped_and_cached_hashing_equals_the_definition():
     assert bh._GROUPS.hits > 0
 
 
-def test_growing_session_reuses_hashed_prefix_exactly():
+def test_growing_session_reuses_hashed_prefix_exactly(pure_python):
     import numpy as np
 
-    from cpd.kv import block_hash as bh
     bh._GROUPS.clear()
     g = bh.GROUP_BLOCKS * NS.block_size
     turn1 = list(range(1000, 1000 + 2 * g + 7))
@@ -124,3 +134,79 @@ def test_token_range_checked_for_arrays():
         hash_blocks(np.full(16, -1, dtype=np.int64), NS)
     with pytest.raises(ValueError):
         hash_blocks(np.full(16, 2**32, dtype=np.int64), NS)
+
+
+# --- the optional C extension (cpd/kv/_chain_sha256.c) against the pure-Python path -------------
+
+native = pytest.mark.skipif(bh._chain_native is None, reason="C extension cpd.kv._chain_sha256 not built")
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(parent=st.binary(min_size=8, max_size=8), buf=st.binary(max_size=3000),
+       step=st.integers(1, 300), cut=st.tuples(st.integers(0, 3000), st.integers(0, 3000)))
+def test_native_chain_equals_python_chain(parent, buf, step, cut):
+    start, stop = sorted(min(c, len(buf)) for c in cut)
+    full = start + (stop - start) // step * step  # hash_blocks passes whole blocks only
+    got = bh._chain_native(parent, buf, start, full, step)
+    assert got == bh._chain_py(parent, buf, start, full, step)
+    assert len(got) == 8 * ((stop - start) // step)
+    assert bh._chain_native(parent, memoryview(buf), start, full, step) == got
+    assert bh._chain_native(parent, buf, start, stop, step) == got  # a trailing partial block is not hashed
+
+
+@native
+def test_native_chain_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        bh._chain_native(b"1234567", b"x" * 64, 0, 64, 64)  # parent not 8 bytes
+    for start, stop, step in ((0, 65, 64), (-1, 64, 64), (32, 0, 64), (0, 64, 0)):
+        with pytest.raises(ValueError):
+            bh._chain_native(b"12345678", b"x" * 64, start, stop, step)
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=200), as_tuple=st.booleans())
+def test_native_u32le_equals_numpy(ids, as_tuple):
+    seq = tuple(ids) if as_tuple else ids
+    assert bh._u32le_native(seq) == np.asarray(ids, dtype="<u4").tobytes()
+
+
+@native
+def test_native_u32le_range_and_fallbacks():
+    for bad in (-1, 2**32, 2**70, -(2**70)):
+        with pytest.raises(ValueError):
+            bh._u32le_native([1, 2, bad])
+    assert bh._u32le_native([True, 7]) == np.asarray([1, 7], dtype="<u4").tobytes()
+    # not a list/tuple of ints: None, and hash_blocks converts it the other way
+    assert bh._u32le_native(np.arange(16)) is None
+    assert bh._u32le_native(range(16)) is None
+    assert bh._u32le_native([1, 2.0]) is None
+    assert bh._u32le_native([1, np.int64(2)]) is None
+    assert hash_blocks(range(32), NS) == hash_blocks([np.int64(i) for i in range(32)], NS) == [
+        int(h, 16) for h in VECTOR_HEX]
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 3, 16, 64]),
+       num_tokens=st.integers(0, 3 * 32 * 64 + 40), use_parent=st.booleans())
+def test_hash_blocks_same_with_and_without_extension(seed, block_size, num_tokens, use_parent):
+    """Random prompts, block sizes and parents: the C path equals the pure-Python path, both
+    cold and through the group LRU (hashed twice, then grown by a tail)."""
+    rng = random.Random(seed)
+    ns = dataclasses.replace(NS, block_size=block_size)
+    toks = [rng.randrange(2**32) for _ in range(num_tokens)]
+    grown = toks + [rng.randrange(2**32) for _ in range(rng.randrange(1, 3 * block_size))]
+    parent = rng.getrandbits(64) if use_parent else None
+    got = [hash_blocks(t, ns, parent) for t in (toks, toks, grown, np.asarray(grown, dtype=np.int64))]
+    saved = bh._chain_native, bh._u32le_native
+    bh._chain_native = bh._u32le_native = None
+    try:
+        bh._GROUPS.clear()
+        want = [hash_blocks(t, ns, parent) for t in (toks, toks, grown, np.asarray(grown, dtype=np.int64))]
+        assert got == want
+        assert want[0] == _reference_chain(toks, ns, parent)
+        assert bh._GROUPS.hits >= 2 * (len(toks) // block_size // bh.GROUP_BLOCKS)  # the LRU path ran
+    finally:
+        bh._chain_native, bh._u32le_native = saved
