@@ -9,5 +9,5 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("cpd.kv._chain_sha256", sources=["cpd/kv/_chain_sha256.c"], libraries=["crypto"],
-              extra_compile_args=["-O2"], optional=True),
+              optional=True),
 ])

@@ -5,17 +5,22 @@ block hashes spread over 8 prefill-side workers (L1 and L2) and the L3 store.
 Two cases per prompt length, interleaved:
 
 * ``cold``: a prompt never seen before (every block is hashed);
-* ``grown``: a session's next turn (the previous prompt + 256 new tokens), whose already
-  hashed prefix comes from the hash cache (``cpd.kv.block_hash``).
+* ``grown``: a session's next turn (the previous prompt + 256 new tokens), whose head is warm
+  in the index (p0 holds its first half in L1 and the next quarter in L2). The C hash path
+  hashes it whole; the pure-Python path takes its already hashed prefix from the hash cache
+  (``cpd.kv.block_hash``).
 
-Times are wall clock (p50, p99); ``cpu_p50_ms`` is the process CPU time of a cold decision
-(on a shared machine the wall clock also counts waiting for a core). ``--breakdown`` also times the three parts of a cold decision separately (hashing, index
-match, policy), interleaved with the whole decisions, and the hashing cost per block.
+Times are wall clock (p50, p99); ``cpu_p50_ms``/``cpu_p99_ms`` are the process CPU time of
+a decision (on a shared machine the wall clock also counts waiting for a core).
+``--breakdown`` also times the three parts of a cold and of a grown decision separately
+(hashing, index match, policy), interleaved with the whole decisions, and the hashing cost
+per block (token-list conversion included). ``hash_path`` in the JSON says whether the C extension
+(``cpd.kv._chain_sha256``) or the pure-Python loop hashed.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_router.py [--lengths 2048,32768,131072] [--reps 30]
-        [--indexed-blocks 1000000] [--breakdown] [--json out.json]
+        [--indexed-blocks 1000000] [--breakdown] [--pure-python] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,11 +31,13 @@ import random
 import statistics
 import time
 
+from cpd.kv import block_hash
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.kv.events import MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, BlockStored, KVEventBatch
 from cpd.policy.routing import LinearCostModel, RoutingConfig, WorkerLoad, route
 from cpd.router.index import PrefixIndex
 
+HASH_PATH = "C extension" if block_hash._chain_native is not None else "pure Python"
 NS = Namespace(model_id="bench", weights_digest="w", tokenizer_digest="t")
 BS = NS.block_size
 WORKERS = [f"p{i}" for i in range(8)]
@@ -85,19 +92,27 @@ def main() -> None:
     ap.add_argument("--indexed-blocks", type=int, default=1_000_000)
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pure-python", action="store_true",
+                    help="hash with the pure-Python loop even where the C extension is built (the 'before')")
     a = ap.parse_args()
+    global HASH_PATH
+    if a.pure_python:
+        block_hash._chain_native = block_hash._u32le_native = None
+        HASH_PATH = "pure Python"
     rng = random.Random(0)
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     idx = build_index(a.indexed_blocks, rng)
+    print(f"block hashing: {HASH_PATH}")
     print(f"index built in {time.perf_counter() - t0:.1f} s: {idx.sizes()}")
     loads = [WorkerLoad(w, "pre-prefill" if i % 2 else "prefill") for i, w in enumerate(WORKERS)] + [
         WorkerLoad("d0", "decode")]
     cfg, cost = RoutingConfig(block_size=BS), LinearCostModel(kv_bytes_per_token=18432)
     out: dict[str, dict] = {}
     for n in [int(x) for x in a.lengths.split(",")]:
-        cold_ms, grown_ms, cold_cpu_ms = [], [], []
+        cold_ms, grown_ms, cold_cpu_ms, grown_cpu_ms = [], [], [], []
         parts: list[tuple[float, float, float]] = []
+        grown_parts: list[tuple[float, float, float]] = []
         session = [rng.randrange(50000) for _ in range(n - 256)]
         _seed_prompt(idx, session)
         decide(idx, session, loads, cfg, cost)
@@ -108,29 +123,36 @@ def main() -> None:
             cold_ms.append((time.perf_counter() - t) * 1e3)
             cold_cpu_ms.append((time.process_time() - tc) * 1e3)
             grown = session + [rng.randrange(50000) for _ in range(256)]
-            t = time.perf_counter()
+            t, tc = time.perf_counter(), time.process_time()
             d = decide(idx, grown, loads, cfg, cost)
             grown_ms.append((time.perf_counter() - t) * 1e3)
+            grown_cpu_ms.append((time.process_time() - tc) * 1e3)
             if a.breakdown:
                 parts.append(decide_parts_ms(idx, [rng.randrange(50000) for _ in range(n)], loads, cfg, cost))
+                grown_parts.append(decide_parts_ms(idx, session + [rng.randrange(50000) for _ in range(256)],
+                                                   loads, cfg, cost))
         assert d.load_plan.l1_blocks > 0 and d.load_plan.l2_blocks > 0, d
         out[str(n)] = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(v)}
                        for k, v in (("cold", cold_ms), ("grown", grown_ms))}
-        out[str(n)]["cold"]["cpu_p50_ms"] = statistics.median(cold_cpu_ms)
+        for k, v in (("cold", cold_cpu_ms), ("grown", grown_cpu_ms)):
+            out[str(n)][k].update(cpu_p50_ms=statistics.median(v), cpu_p99_ms=_p99(v))
         print(f"{n:>7} tokens: cold p50 {out[str(n)]['cold']['p50_ms']:.2f} ms p99 {out[str(n)]['cold']['p99_ms']:.2f}"
-              f" ms | grown p50 {out[str(n)]['grown']['p50_ms']:.2f} ms p99 {out[str(n)]['grown']['p99_ms']:.2f} ms",
-              flush=True)
-        if parts:
+              f" ms | grown p50 {out[str(n)]['grown']['p50_ms']:.2f} ms p99 {out[str(n)]['grown']['p99_ms']:.2f} ms"
+              f" | CPU p99 cold {out[str(n)]['cold']['cpu_p99_ms']:.2f} ms grown {out[str(n)]['grown']['cpu_p99_ms']:.2f}"
+              " ms", flush=True)
+        for case, ps in (("cold", parts), ("grown", grown_parts)):
+            if not ps:
+                continue
             names = ("hash", "match", "route")
-            bd = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(list(v))} for k, v in zip(names, zip(*parts))}
+            bd = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(list(v))} for k, v in zip(names, zip(*ps))}
             bd["hash"]["us_per_block"] = bd["hash"]["p50_ms"] * 1e3 / (n // BS)
-            out[str(n)]["cold_parts"] = bd
-            print("         cold parts p50: " + ", ".join(f"{k} {bd[k]['p50_ms']:.2f} ms" for k in names)
+            out[str(n)][f"{case}_parts"] = bd
+            print(f"         {case} parts p50: " + ", ".join(f"{k} {bd[k]['p50_ms']:.2f} ms" for k in names)
                   + f" ({bd['hash']['us_per_block']:.2f} us/block hashed)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"router_decision": out, "indexed_blocks": idx.sizes(), "loadavg_start": load0,
-                       "loadavg_end": os.getloadavg()}, f, indent=1)
+            json.dump({"router_decision": out, "indexed_blocks": idx.sizes(), "hash_path": HASH_PATH,
+                       "loadavg_start": load0, "loadavg_end": os.getloadavg()}, f, indent=1)
 
 
 def _p99(v: list[float]) -> float:
