@@ -25,7 +25,14 @@ Static mode (``RoutingMode.STATIC``, the published CPD rule):
    time + compute time of the uncached suffix
    (ties: fewer running requests, then worker id). This mirrors Dynamo's KV router
    cost (overlap credit vs load) expressed in seconds.
-6. Decode worker: fewest running requests, then lowest KV use, then id.
+6. Decode worker: fewest requests *assigned* to it (``running_requests + pending_handoffs``: the
+   ones decoding there and the ones routed there whose prefill or KV handoff is still under way),
+   then lowest KV use, then id. Every handoff stalls its decode worker's running batch while the
+   KV arrives (a 100 K-token prompt of the simulator's reference model: ~0.16 s, three TPOTs), so
+   the requests routed while their prefills run must spread over the decode pool before their KV
+   lands; counted only once decoding, a burst saw equal counts and went to one worker, and the
+   workers' unequal handoff counts set the TPOT p90 of a decode-bound cluster
+   (docs/sim_results/adaptive_grid/README.md, section 1).
 
 Adaptive mode (``RoutingMode.ADAPTIVE``, issue 11): route on *remaining work*, not on the reuse
 ratio. Sources: llm-d routes follow-ups by their uncached tokens to a short-work prefill pool;
@@ -123,6 +130,9 @@ class WorkerLoad:
         queued_prefill_s: if known, the sum of the queued requests' own prefill estimates
             (seconds). Without it the queue is priced as ``prefill_time_s(queued_prefill_tokens, 0)``,
             one long sequence, which overstates queues under a cost model with an attention term.
+        pending_handoffs: decode workers: requests routed here whose decode has not started yet
+            (their prefill runs on a prefill-side worker, or their KV is on its way); they will
+            join this worker's batch, so the decode choice (rule 6) counts them.
     """
 
     worker_id: str
@@ -132,6 +142,7 @@ class WorkerLoad:
     kv_usage: float = 0.0
     healthy: bool = True
     queued_prefill_s: float | None = None
+    pending_handoffs: int = 0
 
 
 @dataclass(frozen=True)
@@ -369,12 +380,14 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
 
 
 def pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
-    """The decode worker for a request (rule 6): fewest running requests, then lowest KV use,
-    then id; None when no decode worker is healthy. Also the dispatcher's choice on a retry."""
+    """The decode worker for a request (rule 6): fewest assigned requests (``running_requests +
+    pending_handoffs``: handoffs still under way join the batch soon, and each stalls it while
+    its KV arrives), then lowest KV use, then id; None when no decode worker is healthy. Also
+    the dispatcher's choice on a retry."""
     ds = [w for w in loads if w.role == ROLE_DECODE and w.healthy]
     if not ds:
         return None
-    return min(ds, key=lambda w: (w.running_requests, w.kv_usage, w.worker_id)).worker_id
+    return min(ds, key=lambda w: (w.running_requests + w.pending_handoffs, w.kv_usage, w.worker_id)).worker_id
 
 
 def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad], cfg: RoutingConfig,

@@ -422,6 +422,9 @@ class CPDBackend:
         w.queued_prefill_tokens += n
         w.queued_prefill_s += est_s
         w.running_requests += 1
+        dw = self.workers.by_id.get(d.decode_worker) if d.decode_worker is not None else None
+        if dw is not None:  # routing rule 6: the decode worker counts the handoff it will receive
+            dw.pending_handoffs += 1
         ok = False
         try:
             r = await asyncio.wait_for(
@@ -433,6 +436,8 @@ class CPDBackend:
             w.queued_prefill_tokens -= n
             w.queued_prefill_s -= est_s
             w.running_requests -= 1
+            if dw is not None:  # from here the decode relay counts it in running_requests
+                dw.pending_handoffs -= 1
             if pending and not ok:
                 self.index.drop_pending_writes(pending)
         if r.status_code != 200:

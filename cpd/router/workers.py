@@ -34,6 +34,8 @@ class WorkerInfo:
         queued_prefill_tokens: prompt tokens dispatched and not yet prefilled.
         queued_prefill_s: sum of the policy's estimates for those requests (seconds).
         running_requests: requests dispatched and not finished on this worker.
+        pending_handoffs: decode workers: requests routed here whose prefill is still running on a
+            prefill-side worker (routing rule 6 counts them with the running ones).
         kv_usage: last polled L1 use in [0, 1].
         healthy: False after a failed poll or request, True again after a good poll.
         state: ``unchecked`` | ``accepted`` | ``refused`` — the compatibility verdict
@@ -53,6 +55,7 @@ class WorkerInfo:
     queued_prefill_tokens: int = 0
     queued_prefill_s: float = 0.0
     running_requests: int = 0
+    pending_handoffs: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
     last_load: dict = field(default_factory=dict)
@@ -70,7 +73,8 @@ class WorkerInfo:
 
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
-                          self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s))
+                          self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s),
+                          pending_handoffs=max(0, self.pending_handoffs))
 
 
 def _adopts_role(w: WorkerInfo, reported: Role) -> bool:

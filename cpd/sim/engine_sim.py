@@ -125,6 +125,7 @@ class _Inst:
     queued_prefill_tokens: int = 0
     queued_prefill_s: float = 0.0
     running_requests: int = 0
+    pending_handoffs: int = 0  # decode: routed here, KV not imported yet
 
 
 class EngineSimulator:
@@ -290,7 +291,8 @@ class EngineSimulator:
     # -- router ------------------------------------------------------------------------
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
-                           w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s))
+                           w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s),
+                           pending_handoffs=w.pending_handoffs)
                 for w in self.insts]
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
@@ -320,6 +322,8 @@ class EngineSimulator:
         w.queued_prefill_tokens += len(toks)
         w.queued_prefill_s += est_s
         w.running_requests += 1
+        if not d.decode_append and d.decode_worker is not None:
+            self.by_id[d.decode_worker].pending_handoffs += 1
         self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,
                        "decode": d.decode_worker, "est_s": est_s, "ttft_t": None, "done_t": None}
         req = EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
@@ -387,7 +391,8 @@ class EngineSimulator:
                 wid = self.by_id[rec["worker"]]
                 wid.queued_prefill_tokens -= self.reqs[i].prompt_tokens
                 wid.queued_prefill_s -= rec["est_s"]
-                wid.running_requests -= 1
+                if rec["pool"] != DECODE:  # a decode-local append keeps running there until done
+                    wid.running_requests -= 1
                 if self.role_window is not None and wid.role in PREFILL_SIDE_ROLES:
                     ttft = now - rec["arrival"]
                     self.role_window.observe_prefill_done(now, wid.role, max(0.0, ttft - rec["est_s"]), ttft)
@@ -395,8 +400,18 @@ class EngineSimulator:
                 self._handoff(now, w, i)
             elif o.finished:
                 rec["done_t"] = now
+                self._finished_on(w, rec)
                 self._release(now, i)
         self._kick(now, w)
+
+    def _finished_on(self, w: _Inst, rec: dict[str, Any]) -> None:
+        """Decode load bookkeeping of a finished request: it leaves the running count of the decode
+        worker it ran on, or, when it finished on the prefill side without a handoff (one output
+        token), the pending handoffs of the decode worker it was routed to."""
+        if w.role == DECODE:
+            w.running_requests -= 1
+        elif rec["decode"] is not None:
+            self.by_id[rec["decode"]].pending_handoffs -= 1
 
     def _record(self, i: int) -> dict[str, Any]:
         """The record of request ``i``, which has been routed (it has one)."""
@@ -427,6 +442,8 @@ class EngineSimulator:
         ``add_decode_request``, in process: :meth:`Engine.import_held`), then is released."""
         d = self.by_id[self._record(i)["decode"]]
         d.engine.import_held(w.engine, str(i), SamplingParams(max_tokens=self.reqs[i].output_tokens, ignore_eos=True))
+        d.pending_handoffs -= 1
+        d.running_requests += 1
         w.engine.release(str(i))
         self._kick(now, d)
 

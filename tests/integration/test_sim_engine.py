@@ -134,3 +134,18 @@ def test_elastic_roles_move_a_prefill_worker_to_the_busy_cold_pool():
     later = [r for r in sim.rec if r["arrival"] > first["t"] + 0.5]
     assert any(r["worker"] == first["worker"] and r["pool"] == "pre-prefill" for r in later)
     assert all(r["done_t"] is not None for r in sim.rec)
+
+
+def test_a_burst_spreads_over_the_decode_workers_and_the_counts_drain():
+    """Eight requests arriving together, while no KV has reached a decode worker yet: the simulator
+    reports each routed request as a pending handoff of its decode worker (as the live dispatch
+    does), so routing rule 6 spreads them two per worker; a one-token request ends on the prefill
+    side and leaves the pending count too. At the end every count is back to zero."""
+    insts = tuple(EngineInstanceSpec(r, COST, _sched(), 2000, 0) for r in ("prefill",) + ("decode",) * 4)
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS), COST, BS, l3_bytes=0)
+    reqs = [SimRequest(1e-6 * k, 8 * BS - 3, 1 if k == 0 else 20, tuple(range(10 * k, 10 * k + 8))) for k in range(9)]
+    sim = EngineSimulator(cl, reqs).run()
+    per_decode = [sum(r["decode"] == w.wid for r in sim.rec[1:]) for w in sim.insts if w.role == "decode"]
+    assert per_decode == [2, 2, 2, 2]
+    assert all(r["done_t"] is not None for r in sim.rec)
+    assert all(w.pending_handoffs == 0 and w.running_requests == 0 for w in sim.insts)

@@ -98,3 +98,26 @@ def test_queue_priced_by_per_request_estimates_when_known():
     assert route(150_000, match, [summed, *others], cfg, attn).prefill_worker == "p0"  # wait, then reuse
     one_long = WorkerLoad("p0", "prefill", queued_prefill_tokens=180_000)
     assert route(150_000, match, [one_long, *others], cfg, attn).prefill_worker == "p1"  # overstated queue
+
+
+def test_decode_choice_counts_handoffs_still_under_way():
+    """Rule 6: a decode worker with requests routed to it whose KV has not arrived yet is as loaded
+    as one already decoding them; KV use only breaks ties between equal counts."""
+    cfg = RoutingConfig(topology="pd", block_size=BS)
+    loads = [WorkerLoad("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE, running_requests=1, kv_usage=0.9),
+             WorkerLoad("d1", Role.DECODE, pending_handoffs=2, kv_usage=0.0)]
+    assert route(320, PrefixMatch(), loads, cfg, COST).decode_worker == "d0"
+    loads[1] = WorkerLoad("d0", Role.DECODE, running_requests=2, kv_usage=0.9)
+    assert route(320, PrefixMatch(), loads, cfg, COST).decode_worker == "d1"  # 2 vs 2: lower KV use
+
+
+def test_a_burst_spreads_over_the_decode_pool_before_any_kv_lands():
+    """Requests routed one after another while every prefill still runs (no worker decodes yet,
+    KV use equal): counting each routed request as a pending handoff spreads them evenly."""
+    cfg = RoutingConfig(topology="pd", block_size=BS)
+    pending = {f"d{i}": 0 for i in range(4)}
+    for _ in range(10):
+        loads = [WorkerLoad("p0", Role.PREFILL)] + [WorkerLoad(w, Role.DECODE, pending_handoffs=n)
+                                                    for w, n in pending.items()]
+        pending[route(320, PrefixMatch(), loads, cfg, COST).decode_worker] += 1
+    assert sorted(pending.values()) == [2, 2, 3, 3]
