@@ -66,9 +66,10 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     report.)
 A4. Decode-local append (``decode_append_max_tokens > 0``): a decode worker whose L1 holds the
     prefix, with an uncached suffix of at most ``decode_append_max_tokens`` whose compute
-    (``prefill_time_s(suffix, cached)``) is at most ``DECODE_APPEND_TPOT_SHARE * tpot_slo_s`` (its
-    running batch waits that long for one token; the rest of the TPOT budget is the batch's own
-    decode step), wins when its ``ttft_s`` (its queued appends + the append) beats the prefill-side
+    (``prefill_time_s(suffix, cached)``), added to the appends already queued there
+    (``queued_prefill_s``: the scheduler may run them in the same step), is at most
+    ``DECODE_APPEND_TPOT_SHARE * tpot_slo_s`` (its running batch waits that long for one token;
+    the rest of the TPOT budget is the batch's own decode step), wins when its ``ttft_s`` (its queued appends + the append) beats the prefill-side
     winner's, which moreover still owes a KV handoff (``decode-append``: pool ``decode``, prefill
     worker = decode worker, load plan = its L1 blocks).
 A5. Read-after-write (``raw_wait_max_s > 0``): when blocks being written through right now extend
@@ -452,8 +453,9 @@ held too much work in the single pre-prefill worker of the simulator's reference
 SLO (1.27 vs 1.57 QPS/GPU at 3 % cold traffic; see the issue-11 report)."""
 
 DECODE_APPEND_TPOT_SHARE = 0.5
-"""Decode-local append: the append's compute may take at most this share of ``tpot_slo_s`` (the rest
-of the budget is kept for the running batch's own decode step, which the policy does not model)."""
+"""Decode-local append: the append's compute, with the appends queued before it on that decode
+worker, may take at most this share of ``tpot_slo_s`` (the rest of the budget is kept for the
+running batch's own decode step, which the policy does not model)."""
 
 
 @dataclass(frozen=True)
@@ -544,9 +546,10 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
 def _decode_append_candidates(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
                               cfg: RoutingConfig, cost: CostModel) -> list[_Candidate]:
     """Rule A4: decode workers holding the prefix in L1 whose append is small enough: uncached suffix
-    at most ``decode_append_max_tokens`` and append compute at most ``DECODE_APPEND_TPOT_SHARE *
-    tpot_slo_s`` (the running batch waits that long for one token; the rest of the TPOT budget is
-    its own decode step). ``delay_to_others_s`` is that stall of the running batch."""
+    at most ``decode_append_max_tokens`` and append compute, with the appends already queued there,
+    at most ``DECODE_APPEND_TPOT_SHARE * tpot_slo_s`` (the scheduler may batch them into one step,
+    for which the running batch waits; the rest of the TPOT budget is its own decode step).
+    ``delay_to_others_s`` is this append's stall of the running batch."""
     if cfg.decode_append_max_tokens <= 0:
         return []
     cap = max(0, (num_prompt_tokens - 1) // cfg.block_size)
@@ -557,10 +560,9 @@ def _decode_append_candidates(num_prompt_tokens: int, match: PrefixMatch, loads:
         plan = LoadPlan(l1_blocks=min(match.l1[w.worker_id], cap))
         cached = plan.num_cached_blocks * cfg.block_size
         suffix = num_prompt_tokens - cached
-        append_s = cost.prefill_time_s(suffix, cached)
-        if suffix > cfg.decode_append_max_tokens or append_s > DECODE_APPEND_TPOT_SHARE * cfg.tpot_slo_s:
+        append_s, wait = cost.prefill_time_s(suffix, cached), _queue_s(w, cost)
+        if suffix > cfg.decode_append_max_tokens or wait + append_s > DECODE_APPEND_TPOT_SHARE * cfg.tpot_slo_s:
             continue
-        wait = _queue_s(w, cost)
         est = CandidateEstimate(w.worker_id, Role.DECODE, wait, append_s, wait + append_s,
                                 delay_to_others_s=append_s, score=wait + append_s)
         out.append(_Candidate(w, plan, None, est))

@@ -249,9 +249,10 @@ def test_decode_append_refused_when_too_long_or_tpot_breaks_or_off():
 def test_decode_append_only_when_it_beats_the_prefill_side():
     n = 100 * BS + 30
     match = PrefixMatch(l1={"d0": 100, "p0": 100}, l3=100)  # p0 holds it too and is idle
-    ws = [_w("pp0", Role.PRE_PREFILL), _w("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE, queued_prefill_s=0.2)]
+    ws = [_w("pp0", Role.PRE_PREFILL), _w("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE, queued_prefill_s=0.01)]
     d = route(n, match, ws, APPEND_CFG, COST)
-    assert d.pool == Role.PREFILL and d.prefill_worker == "p0"  # 0.03 s beats 0.2 s of queued appends
+    assert Role.DECODE in {c.role for c in d.candidates}  # 0.01 + 0.03 s fits the TPOT share
+    assert d.pool == Role.PREFILL and d.prefill_worker == "p0"  # 0.03 s beats 0.01 s of queued appends + 0.03 s
     # no decode worker holds it: no append candidate at all
     d = route(n, PrefixMatch(l3=100), _cluster(), APPEND_CFG, COST)
     assert all(c.role != Role.DECODE for c in d.candidates)
@@ -358,3 +359,19 @@ def test_queued_work_counts_the_plan_s_loads_like_compute():
     w = work_s(d.load_plan, SHORT_TOKENS, CFG, COST)
     assert load_s > 0 and w == pytest.approx(load_s + compute_s)
     assert w == pytest.approx(_by_id(d)["p0"].own_s)
+
+
+def test_decode_append_counts_the_appends_already_queued_on_the_decode_worker():
+    """The running batch may wait for every queued append at once (one step): an append that is
+    small alone is refused where the queued appends and it together exceed the TPOT share, and
+    kept on a decode worker with a short enough queue."""
+    n = 100 * BS + 30  # 30 ms of compute; share of the 100 ms TPOT SLO: 50 ms
+    match = PrefixMatch(l1={"d0": 100, "d1": 100}, l3=100)
+    busy = WorkerLoad("d0", Role.DECODE, queued_prefill_s=0.025)  # 25 + 30 ms > 50 ms
+    light = WorkerLoad("d1", Role.DECODE, queued_prefill_s=0.015)  # 15 + 30 ms <= 50 ms
+    assert 0.025 + 0.03 > DECODE_APPEND_TPOT_SHARE * APPEND_CFG.tpot_slo_s >= 0.015 + 0.03
+    d = route(n, match, [_w("p0", Role.PREFILL, 0.5), busy, light], APPEND_CFG, COST)
+    assert (d.reason, d.prefill_worker, d.decode_worker) == (DecisionReason.DECODE_APPEND, "d1", "d1")
+    assert "d0" not in _by_id(d)
+    alone = route(n, match, [_w("p0", Role.PREFILL, 0.5), busy], APPEND_CFG, COST)
+    assert alone.pool == Role.PREFILL and all(c.role != Role.DECODE for c in alone.candidates)
