@@ -20,7 +20,7 @@ per block (token-list conversion included). ``hash_path`` in the JSON says wheth
 Usage::
 
     .venv/bin/python benchmarks/bench_router.py [--lengths 2048,32768,131072] [--reps 30]
-        [--indexed-blocks 1000000] [--breakdown] [--pure-python] [--json out.json]
+        [--indexed-blocks 1000000] [--breakdown] [--hash-micro] [--pure-python] [--json out.json]
 """
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--indexed-blocks", type=int, default=1_000_000)
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hash-micro", action="store_true",
+                    help="also time the hashing pieces alone (Python vs C chain, list -> bytes conversions)")
     ap.add_argument("--pure-python", action="store_true",
                     help="hash with the pure-Python loop even where the C extension is built (the 'before')")
     a = ap.parse_args()
@@ -149,10 +151,47 @@ def main() -> None:
             out[str(n)][f"{case}_parts"] = bd
             print(f"         {case} parts p50: " + ", ".join(f"{k} {bd[k]['p50_ms']:.2f} ms" for k in names)
                   + f" ({bd['hash']['us_per_block']:.2f} us/block hashed)", flush=True)
+    micro = hash_micro([int(x) for x in a.lengths.split(",")], 15, rng) if a.hash_micro else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"router_decision": out, "indexed_blocks": idx.sizes(), "hash_path": HASH_PATH,
+            json.dump({"router_decision": out, "hash_micro_ms": micro, "indexed_blocks": idx.sizes(), "hash_path": HASH_PATH,
                        "loadavg_start": load0, "loadavg_end": os.getloadavg()}, f, indent=1)
+
+
+def hash_micro(lengths: list[int], reps: int, rng: random.Random) -> dict[str, dict[str, float]]:
+    """Best-of-``reps`` ms of the hashing pieces per prompt length: the chained loop in Python
+    (``_chain_py``) and in C, and the token list → ``u32le`` bytes conversions."""
+    import array
+
+    import numpy as np
+
+    def best_ms(f) -> float:
+        b = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            b = min(b, time.perf_counter() - t)
+        return b * 1e3
+
+    out: dict[str, dict[str, float]] = {}
+    for n in lengths:
+        toks = [rng.randrange(50000) for _ in range(n)]
+        buf, parent, step = array.array("I", toks).tobytes(), (1).to_bytes(8, "big"), 4 * BS
+        r = {"chain_python": best_ms(lambda: block_hash._chain_py(parent, buf, 0, len(buf), step)),
+             "array_tobytes": best_ms(lambda: array.array("I", toks).tobytes()),
+             "numpy_asarray": best_ms(lambda: np.asarray(toks, dtype=np.uint32).tobytes())}
+        if block_hash._chain_native is not None and block_hash._u32le_native is not None:
+            chain_c, u32le_c = block_hash._chain_native, block_hash._u32le_native
+            assert chain_c(parent, buf, 0, len(buf), step) == block_hash._chain_py(parent, buf, 0, len(buf), step)
+            r["chain_c"] = best_ms(lambda: chain_c(parent, buf, 0, len(buf), step))
+            r["u32le_c"] = best_ms(lambda: u32le_c(toks))
+        for k in ("chain_python", "chain_c"):
+            if k in r:
+                r[k.replace("chain", "ns_per_block")] = r[k] * 1e6 / (n // BS)
+        out[str(n)] = r
+        print(f"{n:>7} tokens, hashing pieces (best of {reps}): " + ", ".join(
+            f"{k} {v:.3f}" + ("" if k.startswith("ns_") else " ms") for k, v in r.items()), flush=True)
+    return out
 
 
 def _p99(v: list[float]) -> float:
