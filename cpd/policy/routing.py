@@ -637,11 +637,14 @@ def _route_adaptive(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[
 
 @dataclass(frozen=True)
 class LinearCostModel:
-    """A measured linear cost model for live routing (the simulator has a roofline).
+    """A measured cost model for live routing (the simulator's instances run a roofline).
 
-    prefill time = num_new_tokens / prefill_tokens_per_s * (1 + attn_coeff * (cached + new/2)),
-    load time = bytes / bandwidth(tier) + overhead(tier). Rates come from measured
-    transfers (EWMA, see ``cpd.router.estimates``).
+    prefill time = prefill_overhead_s + num_new_tokens / prefill_tokens_per_s
+    * (1 + attn_coeff * (cached + new/2)), i.e. ``a + b·n + c·n·(p + n/2)`` with ``b = 1/rate``
+    and ``c = attn_coeff/rate`` (the form :mod:`cpd.costmodel.calibrated` fits to measured steps);
+    load time = bytes / bandwidth(tier) + overhead(tier). The live router fits the prefill terms
+    to the prefills workers report and the bandwidths to their measured loads
+    (``cpd.router.estimates``).
     """
 
     kv_bytes_per_token: int
@@ -651,12 +654,13 @@ class LinearCostModel:
     l3_bytes_per_s: float = 1e9
     l2_overhead_s: float = 1e-4
     l3_overhead_s: float = 2e-3
+    prefill_overhead_s: float = 0.0
 
     def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         if num_new_tokens <= 0:
             return 0.0
         ctx = num_cached_tokens + num_new_tokens / 2
-        return num_new_tokens / self.prefill_tokens_per_s * (1.0 + self.attn_coeff * ctx)
+        return self.prefill_overhead_s + num_new_tokens / self.prefill_tokens_per_s * (1.0 + self.attn_coeff * ctx)
 
     def load_time_s(self, tier: str, num_bytes: int) -> float:
         if tier == "L2":

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cpd.messages.worker_api import PrefillResponse
-from cpd.policy.routing import RouteDecision
+from cpd.policy.routing import LinearCostModel, RouteDecision
 from cpd.router.estimates import CostEstimates
 from cpd.router.metrics import RouterMetrics
 from cpd.types import Tier
@@ -45,11 +45,19 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
         m.load_decisions.labels(d.recompute.tier).inc()
     for kind, n in pre.fallback.items():
         m.fallbacks.labels(kind).inc(n)
-    estimates.observe_prefill(computed, loaded, pre.compute_s or pre.prefill_s)
+    cm = estimates.model()
+    estimates.observe_prefill(computed, loaded, (pre.compute_s or pre.prefill_s) - _loads_s(cm, by_tier))
     cm = estimates.model()
     m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
     m.cost_bandwidth.labels(Tier.L2).set(cm.l2_bytes_per_s)
     m.cost_bandwidth.labels(Tier.L3).set(cm.l3_bytes_per_s)
+
+
+def _loads_s(cm: LinearCostModel, by_tier: dict[Tier, int]) -> float:
+    """The estimated time of a prefill's L2/L3 prefix loads (the engine runs them inside the
+    request's compute time, which the prefill-time fit must not count)."""
+    return sum(cm.load_time_s(t, n * cm.kv_bytes_per_token) for t in (Tier.L2, Tier.L3)
+               if (n := by_tier.get(t, 0)))
 
 
 class RecentRequests:

@@ -1,33 +1,76 @@
 """Measured inputs of the live cost model (docs/architecture.md 'Load versus recompute').
 
-Exponentially weighted moving averages (EWMA, weight ``alpha`` on the newest sample)
-of the prefill rate and of the effective bandwidth per tier, from what workers
-report on every prefill. The pure policy reads a frozen
-:class:`cpd.policy.routing.LinearCostModel` built from them (:meth:`CostEstimates.model`).
+The pure policy reads a frozen :class:`cpd.policy.routing.LinearCostModel` built from what workers
+report (:meth:`CostEstimates.model`):
+
+* **Prefill time** ``a + b·n + c·n·(p + n/2)`` (``n`` computed tokens on ``p`` cached; the form of
+  :mod:`cpd.costmodel.calibrated`): fitted by the same weighted least squares (relative error,
+  coefficients ≥ 0) to the last :data:`MAX_PREFILL_OBSERVATIONS` prefills, refitted every
+  :data:`REFIT_EVERY` observations once :data:`MIN_FIT_OBSERVATIONS` are in. A single rate cannot
+  price both a 2 K-token turn on a 100 K-token context and a 300-token cold prompt: the attention
+  term grows with the context, and a fixed per-request overhead dominates short prompts. Until a
+  fit is adopted (it needs enough observations of more than one shape, so the terms are
+  separable, and an rms relative error at most :data:`MAX_FIT_RMS_REL_ERROR`), the rate alone
+  follows an exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample);
+  after that the prefill terms change only by refits, and a rejected refit keeps the last one.
+* **Bandwidth per tier** (L2, L3): EWMA of measured bytes / seconds.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
+from cpd.costmodel.calibrated import fit_linear, prefill_features
 from cpd.policy.routing import LinearCostModel
+
+MAX_PREFILL_OBSERVATIONS = 256
+"""Prefill observations kept for the fit (the newest; a bound, and a window that follows drift)."""
+MIN_FIT_OBSERVATIONS = 16
+REFIT_EVERY = 8
+MAX_FIT_RMS_REL_ERROR = 0.5
+MIN_PREFILL_TOKENS = 16
+"""Smaller prefills are not observed (their time is mostly noise)."""
 
 
 class CostEstimates:
-    """EWMA estimates; start from ``initial`` and move with each observation."""
+    """Fitted / EWMA estimates; start from ``initial`` and move with each observation."""
 
     def __init__(self, initial: LinearCostModel, alpha: float = 0.2):
         self._m = initial
         self.alpha = alpha
+        self._prefills: deque[tuple[int, int, float]] = deque(maxlen=MAX_PREFILL_OBSERVATIONS)
+        self._since_fit = 0
+        self.fit_rms_rel_error: float | None = None  # of the fit in use (None: EWMA only so far)
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
 
-    def observe_prefill(self, num_computed_tokens: int, num_loaded_tokens: int, compute_s: float) -> None:
-        """One prefill's computed tokens and its compute time (seconds, queueing excluded
-        where the worker reports it)."""
-        if num_computed_tokens >= 16 and compute_s > 0:
+    def observe_prefill(self, num_computed_tokens: int, num_cached_tokens: int, compute_s: float) -> None:
+        """One prefill: ``num_computed_tokens`` computed on ``num_cached_tokens`` already cached, in
+        ``compute_s`` seconds of compute (queueing and prefix loads excluded)."""
+        if num_computed_tokens < MIN_PREFILL_TOKENS or compute_s <= 0:
+            return
+        self._prefills.append((int(num_computed_tokens), max(0, int(num_cached_tokens)), float(compute_s)))
+        self._since_fit += 1
+        if len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY and self._refit():
+            return
+        if self.fit_rms_rel_error is None:
             rate = num_computed_tokens / compute_s
             self._m = replace(self._m, prefill_tokens_per_s=self._ewma(self._m.prefill_tokens_per_s, rate))
+
+    def _refit(self) -> bool:
+        """Fit the prefill terms to the window; True when the fit was adopted."""
+        self._since_fit = 0
+        rows = [prefill_features(n, p) for n, p, _ in self._prefills]
+        try:
+            (a, b, c), stats = fit_linear(rows, [t for _, _, t in self._prefills])
+        except ValueError:  # singular: every observation of one shape
+            return False
+        if b <= 0 or stats["rms_rel_error"] > MAX_FIT_RMS_REL_ERROR:
+            return False
+        self._m = replace(self._m, prefill_overhead_s=a, prefill_tokens_per_s=1.0 / b, attn_coeff=c / b)
+        self.fit_rms_rel_error = float(stats["rms_rel_error"])
+        return True
 
     def observe_transfer(self, tier: str, num_bytes: int, seconds: float) -> None:
         """One measured load from ``tier`` (``L2`` or ``L3``)."""
