@@ -36,7 +36,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -143,7 +143,7 @@ class _Req:
         self.import_kv: torch.Tensor | None = None
         self.l3_next: int | None = None
         self.stop_ids = stop_ids
-        self.added_at_s = time.monotonic()
+        self.added_at_s = 0.0  # set by the engine, on its clock
         self.admitted_at_s: float | None = None
 
 
@@ -164,6 +164,8 @@ class Engine:
         adapter_id: namespace adapter id.
         seed: seed of the engine RNG used by unseeded sampling.
         faults: test-only fault injection (:mod:`cpd.engine.faults`; default: none).
+        clock: seconds for the queue times of the outputs (``queue_s``); the simulator passes
+            its virtual clock.
     Raises:
         FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
     """
@@ -172,8 +174,10 @@ class Engine:
                  scheduler_config: SchedulerConfig | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None, connector: KVConnector | None = None,
                  event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
-                 seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None):
+                 seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._clock = clock
         if executor is None:  # the default: real model math (cpd.engine.executor_torch)
             if model_dir is None:
                 raise ValueError("Engine needs a model_dir, or an executor")
@@ -321,6 +325,7 @@ class Engine:
         toks, u32 = self._validate(req.request_id, req.prompt_token_ids, req.sampling)
         r = _Req(req.request_id, toks, len(toks), req.sampling, req.mode, self._namespace.with_salt(req.cache_salt),
                  req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling), u32)
+        r.added_at_s = self._clock()
         self._submit(("add", r), req.request_id, new=True, prefill_tokens=len(toks))
 
     def add_decode_request(self, request_id: str, token_ids: Sequence[int], kv: Any,
@@ -393,6 +398,7 @@ class Engine:
         r = _Req(request_id, toks, len(toks) - num_generated, sampling, "full", self._namespace.with_salt(cache_salt),
                  0, False, self._stop_ids(sampling), u32)
         r.import_kv = kv_t
+        r.added_at_s = self._clock()
         self._submit(("add", r), request_id, new=True)
 
     def abort(self, request_id: str) -> None:
@@ -868,7 +874,7 @@ class Engine:
                 if r.id in admitted:
                     r.import_kv = None
                     if r.admitted_at_s is None:
-                        r.admitted_at_s = time.monotonic()
+                        r.admitted_at_s = self._clock()
                     self._running.append(r)
                     self._write_through_guarded(r)
         return plan, by_id

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Mapping
 
 from cpd.messages.worker_api import PrefillResponse
 from cpd.policy.routing import LinearCostModel, RouteDecision
@@ -45,15 +45,23 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
         m.load_decisions.labels(d.recompute.tier).inc()
     for kind, n in pre.fallback.items():
         m.fallbacks.labels(kind).inc(n)
-    cm = estimates.model()
-    estimates.observe_prefill(computed, loaded, (pre.compute_s or pre.prefill_s) - _loads_s(cm, by_tier))
+    observe_prefill(estimates, by_tier, num_prompt_tokens, pre.compute_s or pre.prefill_s)
     cm = estimates.model()
     m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
     m.cost_bandwidth.labels(Tier.L2).set(cm.l2_bytes_per_s)
     m.cost_bandwidth.labels(Tier.L3).set(cm.l3_bytes_per_s)
 
 
-def _loads_s(cm: LinearCostModel, by_tier: dict[Tier, int]) -> float:
+def observe_prefill(estimates: CostEstimates, by_tier: Mapping[Tier, int], num_prompt_tokens: int,
+                    compute_s: float) -> None:
+    """Feed one prefill to the cost estimates (live and simulated router alike): its computed and
+    cached tokens, and its compute time less the estimated time of its L2/L3 prefix loads."""
+    loaded = sum(by_tier.values())
+    cm = estimates.model()
+    estimates.observe_prefill(max(0, num_prompt_tokens - loaded), loaded, compute_s - _loads_s(cm, by_tier))
+
+
+def _loads_s(cm: LinearCostModel, by_tier: Mapping[Tier, int]) -> float:
     """The estimated time of a prefill's L2/L3 prefix loads (the engine runs them inside the
     request's compute time, which the prefill-time fit must not count)."""
     return sum(cm.load_time_s(t, n * cm.kv_bytes_per_token) for t in (Tier.L2, Tier.L3)

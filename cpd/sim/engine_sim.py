@@ -32,9 +32,11 @@ from cpd.kv.block_hash import hash_blocks
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
 from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route, work_s
+from cpd.router.dispatch_records import observe_prefill
+from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.sim.workload import SimRequest
-from cpd.types import PREFILL_SIDE_ROLES, Role
+from cpd.types import PREFILL_SIDE_ROLES, Role, Tier
 
 VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
@@ -110,6 +112,8 @@ class EngineClusterSpec:
     kv_event_delay_s: float = 0.05
     raw_ready_margin_s: float = 0.05  # pending L3 writes: predicted visible this long after the prefill
     elastic: Any = None  # a cpd.policy.roles.PlannerConfig: call plan_roles every interval_s (None: fixed roles)
+    learn_router_cost: bool = False  # the router fits router_cost's prefill terms to the simulated
+    # prefills as the live router does (cpd.router.estimates); False: router_cost stays fixed
 
 
 @dataclass
@@ -153,6 +157,7 @@ class EngineSimulator:
         self.vocab_size = vocab_size
         self._store_name = f"cpd-sim-{id(self):x}"  # process-local L3 (cpd.store.mem_store)
         self.index = PrefixIndex()
+        self.estimates = CostEstimates(cluster.router_cost) if cluster.learn_router_cost else None
         self.insts: list[_Inst] = []
         counts: dict[str, int] = {}
         for spec in cluster.instances:
@@ -254,7 +259,8 @@ class EngineSimulator:
             # here a written block is visible at the end of the step that computed it)
             connector = L3Connector(store, event_sink=sink, write_async=False)
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
-                     scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex)
+                     scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex,
+                     clock=self._virtual_now)
         w = _Inst(wid, Role(spec.role), eng, clock)
         w_box.append(w)
         return w
@@ -289,6 +295,13 @@ class EngineSimulator:
         return self
 
     # -- router ------------------------------------------------------------------------
+    def _router_cost(self) -> Any:
+        """The cost model the router prices with now (fixed, or fitted so far)."""
+        return self.estimates.model() if self.estimates is not None else self.c.router_cost
+
+    def _virtual_now(self) -> float:
+        return self.now
+
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s),
@@ -303,7 +316,7 @@ class EngineSimulator:
         hashes = hash_blocks(toks, self.namespace)
         match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs, now_s=now)
         try:
-            d = route(len(toks), match, self._loads(), self.c.routing, self.c.router_cost)
+            d = route(len(toks), match, self._loads(), self.c.routing, self._router_cost())
         except Overloaded:
             self.rejected += 1
             self.rec[i] = {"arrival": now, "cls": None, "pool": None, "worker": None, "decode": None, "est_s": 0.0,
@@ -314,7 +327,7 @@ class EngineSimulator:
         rc = d.recompute  # the load-vs-recompute outcome, as the live dispatch reads it
         recompute_l3 = rc is not None and rc.tier == "L3"
         cached_blocks = d.load_plan.num_cached_blocks
-        est_s = work_s(d.load_plan, len(toks), self.c.routing, self.c.router_cost)
+        est_s = work_s(d.load_plan, len(toks), self.c.routing, self._router_cost())
         if d.write_through and hashes[cached_blocks:]:
             self.index.add_pending_writes(hashes[cached_blocks:], now + d.estimated_ttft_s + self.c.raw_ready_margin_s)
         if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
@@ -393,6 +406,10 @@ class EngineSimulator:
                 wid.queued_prefill_s -= rec["est_s"]
                 if rec["pool"] != DECODE:  # a decode-local append keeps running there until done
                     wid.running_requests -= 1
+                if self.estimates is not None:  # as the live dispatch records a prefill answer
+                    by_tier = {Tier(t): n for t, n in (o.num_cached_tokens_by_tier or {}).items()}
+                    observe_prefill(self.estimates, by_tier, self.reqs[i].prompt_tokens,
+                                    now - rec["arrival"] - (o.queue_s or 0.0))
                 if self.role_window is not None and wid.role in PREFILL_SIDE_ROLES:
                     ttft = now - rec["arrival"]
                     self.role_window.observe_prefill_done(now, wid.role, max(0.0, ttft - rec["est_s"]), ttft)

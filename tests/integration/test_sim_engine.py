@@ -149,3 +149,24 @@ def test_a_burst_spreads_over_the_decode_workers_and_the_counts_drain():
     assert per_decode == [2, 2, 2, 2]
     assert all(r["done_t"] is not None for r in sim.rec)
     assert all(w.pending_handoffs == 0 and w.running_requests == 0 for w in sim.insts)
+
+
+def test_a_learning_router_fits_the_instances_prefill_times_like_the_live_router():
+    """With ``learn_router_cost`` the simulated router feeds every prefill (compute time = first
+    token - arrival - the engine's queue time on the virtual clock) to the live CostEstimates, so
+    a start rate that is 10x off ends close to the instances' roofline on the shapes it saw."""
+    from dataclasses import replace
+
+    from cpd.policy.routing import LinearCostModel
+
+    start = LinearCostModel(kv_bytes_per_token=COST.kv_bytes_per_token, prefill_tokens_per_s=1000.0,
+                            l2_bytes_per_s=COST.link_bytes_per_s("L2"), l3_bytes_per_s=COST.link_bytes_per_s("L3"))
+    cl = replace(_cluster("pd", l3_bytes=0), router_cost=start, learn_router_cost=True)
+    sim = EngineSimulator(cl, _agent_requests(120, qps=2.0)).run()
+    assert sim.estimates is not None and sim.estimates.fit_rms_rel_error is not None
+    fitted = sim.estimates.model()
+    for n, p in ((4 * BS, 0), (2 * BS, 20 * BS), (BS, 35 * BS)):
+        assert fitted.prefill_time_s(n, p) == pytest.approx(COST.prefill_time_s(n, p), rel=0.25)
+        assert abs(start.prefill_time_s(n, p) / COST.prefill_time_s(n, p) - 1) > 1.0
+    fixed = EngineSimulator(_cluster("pd", l3_bytes=0), _agent_requests(5)).run()
+    assert fixed.estimates is None
