@@ -161,6 +161,9 @@ class RouterSection(Section):
     decode_append_max_tokens: int = Field(0, ge=0, description="adaptive: prefill an uncached suffix of at most "
                                                                "this many tokens on the decode worker holding "
                                                                "the prefix (0 = off)")
+    prefill_cost_fit: bool = Field(False, description="price prefills by a fitted overhead + per-token + "
+                                                      "attention model (cpd.router.estimates) instead of one "
+                                                      "measured rate")
     raw_wait_max_s: float = Field(0.0, ge=0, description="read-after-write: longest hold of a request for "
                                                          "blocks being written through to L3 (0 = never wait)")
     raw_ready_margin_s: float = Field(0.25, ge=0, description="read-after-write: blocks being written through "
@@ -296,6 +299,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("router.admission_factor", ("--admission-factor",), router=True),
     Flag("router.decode_append_max_tokens", ("--decode-append-max-tokens",), router=True),
     Flag("router.raw_wait_max_s", ("--raw-wait-max",), router=True),
+    Flag("router.prefill_cost_fit", ("--prefill-cost-fit",), router=True),
     Flag("router.elastic", ("--elastic",), router=True),
     Flag("deployment.topology", ("--topology",), router=True),
     Flag("deployment.num_pre_prefill", ("--pre-prefill",)),

@@ -52,7 +52,7 @@ class Router:
                  role_window_s: float = 30.0, raw_ready_margin_s: float = 0.25, max_in_flight: int = 256, max_decode_per_worker: int = 64,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
                  open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
-                 timeouts: DispatchTimeouts | None = None):
+                 timeouts: DispatchTimeouts | None = None, prefill_cost_fit: bool = False):
         self.timeouts = timeouts  # router->worker call bounds; None = defaults / CPD_DISPATCH_TIMEOUTS
         self.api_keys = api_keys or ApiKeys({})  # client keys -> tenants (cpd.router.api_keys)
         self.open_paths = tuple(open_paths)
@@ -68,7 +68,8 @@ class Router:
         self.role_window_s = role_window_s
         self.raw_ready_margin_s = raw_ready_margin_s
         self.elastic: ElasticRoles | None = None
-        self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token))
+        self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token),
+                                       fit_prefill=prefill_cost_fit)
         self.namespace = namespace
         self.tokenizer_dir = tokenizer_dir
         self.model_name = model_name

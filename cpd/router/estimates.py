@@ -3,13 +3,17 @@
 The pure policy reads a frozen :class:`cpd.policy.routing.LinearCostModel` built from what workers
 report (:meth:`CostEstimates.model`):
 
-* **Prefill time** ``a + b·n + c·n·(p + n/2)`` (``n`` computed tokens on ``p`` cached; the form of
-  :mod:`cpd.costmodel.calibrated`): fitted by the same weighted least squares (relative error,
-  coefficients ≥ 0) to the last :data:`MAX_PREFILL_OBSERVATIONS` prefills, refitted every
-  :data:`REFIT_EVERY` observations once :data:`MIN_FIT_OBSERVATIONS` are in. A single rate cannot
-  price both a 2 K-token turn on a 100 K-token context and a 300-token cold prompt: the attention
-  term grows with the context, and a fixed per-request overhead dominates short prompts. Until a
-  fit is adopted (it needs enough observations of more than one shape, so the terms are
+* **Prefill time**, by default one rate (computed tokens per second of compute) followed by an
+  exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample). With
+  ``fit_prefill`` (``router.prefill_cost_fit``): ``a + b·n + c·n·(p + n/2)`` (``n`` computed
+  tokens on ``p`` cached; the form of :mod:`cpd.costmodel.calibrated`), fitted by the same
+  weighted least squares (relative error, coefficients ≥ 0) to the last
+  :data:`MAX_PREFILL_OBSERVATIONS` prefills, refitted every :data:`REFIT_EVERY` observations once
+  :data:`MIN_FIT_OBSERVATIONS` are in. The fit prices a 2 K-token turn on a 100 K-token context
+  and a 300-token cold prompt both right, which one rate cannot; it is not the default because
+  on the simulator's Mooncake cell (docs/sim_results/adaptive_grid/README.md) adaptive routing
+  sustained 7 % less with it than with the EWMA (its heavy/short split and spill rules were
+  tuned on the rate). Until a fit is adopted (it needs enough observations of more than one shape, so the terms are
   separable, and an rms relative error at most :data:`MAX_FIT_RMS_REL_ERROR`), the rate alone
   follows an exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample);
   after that the prefill terms change only by refits, and a rejected refit keeps the last one.
@@ -35,9 +39,10 @@ MIN_PREFILL_TOKENS = 16
 class CostEstimates:
     """Fitted / EWMA estimates; start from ``initial`` and move with each observation."""
 
-    def __init__(self, initial: LinearCostModel, alpha: float = 0.2):
+    def __init__(self, initial: LinearCostModel, alpha: float = 0.2, fit_prefill: bool = False):
         self._m = initial
         self.alpha = alpha
+        self.fit_prefill = fit_prefill
         self._prefills: deque[tuple[int, int, float]] = deque(maxlen=MAX_PREFILL_OBSERVATIONS)
         self._since_fit = 0
         self.fit_rms_rel_error: float | None = None  # of the fit in use (None: EWMA only so far)
@@ -52,7 +57,8 @@ class CostEstimates:
             return
         self._prefills.append((int(num_computed_tokens), max(0, int(num_cached_tokens)), float(compute_s)))
         self._since_fit += 1
-        if len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY and self._refit():
+        if self.fit_prefill and len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY \
+                and self._refit():
             return
         if self.fit_rms_rel_error is None:
             rate = num_computed_tokens / compute_s

@@ -112,8 +112,9 @@ class EngineClusterSpec:
     kv_event_delay_s: float = 0.05
     raw_ready_margin_s: float = 0.05  # pending L3 writes: predicted visible this long after the prefill
     elastic: Any = None  # a cpd.policy.roles.PlannerConfig: call plan_roles every interval_s (None: fixed roles)
-    learn_router_cost: bool = False  # the router fits router_cost's prefill terms to the simulated
+    learn_router_cost: bool = False  # the router learns router_cost's prefill terms from the simulated
     # prefills as the live router does (cpd.router.estimates); False: router_cost stays fixed
+    fit_router_cost: bool = False  # with learn_router_cost: fit (router.prefill_cost_fit), not one rate
 
 
 @dataclass
@@ -157,8 +158,10 @@ class EngineSimulator:
         self.vocab_size = vocab_size
         self._store_name = f"cpd-sim-{id(self):x}"  # process-local L3 (cpd.store.mem_store)
         self.index = PrefixIndex()
-        self.estimates = CostEstimates(cluster.router_cost) if cluster.learn_router_cost else None
+        self.estimates = (CostEstimates(cluster.router_cost, fit_prefill=cluster.fit_router_cost)
+                          if cluster.learn_router_cost else None)
         self.insts: list[_Inst] = []
+        self._weights_digest: str | None = None  # the cluster's one namespace (see _instance)
         counts: dict[str, int] = {}
         for spec in cluster.instances:
             k = counts[spec.role] = counts.get(spec.role, -1) + 1
@@ -248,6 +251,13 @@ class EngineSimulator:
         clock = VirtualClock()
         cfg = ModeledModelConfig(vocab_size=self.vocab_size, max_position_embeddings=spec.cost.model.max_context)
         ex = ModeledExecutor(spec.cost, cfg, clock=clock, model_id="sim")
+        # One namespace for the whole cluster, the router's (the first instance's): the modeled
+        # executor names its weights by TP (``...:tp4`` prefill nodes, ``...:tp1`` decode ranks),
+        # so the decode engines hashed their blocks apart and the router never matched their L1
+        # (rule 6 affinity, rule A4 appends). The live router refuses a worker of another namespace.
+        if self._weights_digest is None:
+            self._weights_digest = ex.weights_digest
+        ex.weights_digest = self._weights_digest
         connector = None
         w_box: list[_Inst] = []
         sink: Callable[[Any], None] = lambda ev: w_box[0].batches.append(ev)

@@ -4,7 +4,7 @@ experiment file, one point per (configuration, load, seed), steady-window metric
 Experiment file (JSON), see ``cpd/sim/experiments/reference_b200.json``::
 
     {"name", "model", "gpu", "kv_dtype_bytes", "weight_bytes_per_param", "efficiency": {...},
-     "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold", "router_cost": "learned" | "linear" | "roofline",
+     "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold", "router_cost": "learned[-fit]" | "linear" | "roofline",
      "prefill": {"tp", "max_num_batched_tokens", "max_prefill_chunk_tokens", "max_num_seqs", "l2_bytes"},
      "decode":  {"tp", "ranks_per_node", "max_num_seqs"},
      "layout": {"prefill_nodes": 2, "decode_nodes": 1},      # GPUs of the named configurations
@@ -151,7 +151,8 @@ def build_cluster(exp: dict, config: str) -> EngineClusterSpec:
         elastic = PlannerConfig(**cfg["elastic"])
     return EngineClusterSpec(tuple(insts), routing_config(exp, cfg), router_cost(exp, pcost), bs,
                              int(cfg.get("l3_bytes", exp.get("l3_bytes", 0))), exp.get("kv_event_delay_s", 0.05),
-                             elastic=elastic, learn_router_cost=exp.get("router_cost") == "learned")
+                             elastic=elastic, learn_router_cost=exp.get("router_cost") in ("learned", "learned-fit"),
+                             fit_router_cost=exp.get("router_cost") == "learned-fit")
 
 
 def num_gpus(cluster: EngineClusterSpec) -> int:
@@ -161,9 +162,10 @@ def num_gpus(cluster: EngineClusterSpec) -> int:
 def router_cost(exp: dict, pcost: RooflineCostModel):
     """The cost model the *router* sees (the instances' step times always use the roofline).
 
-    ``exp["router_cost"]``: ``"learned"``: the ``"linear"`` model below as the start, its prefill
-    terms then fitted to the simulated prefills as the live router fits them
-    (``cpd.router.estimates``; :attr:`EngineClusterSpec.learn_router_cost`); ``"linear"``: a
+    ``exp["router_cost"]``: ``"learned"``: the ``"linear"`` model below as the start, then learned
+    from the simulated prefills as the live router learns it (``cpd.router.estimates``: one rate,
+    EWMA; :attr:`EngineClusterSpec.learn_router_cost`); ``"learned-fit"``: the same with the fitted
+    overhead + per-token + attention terms (``router.prefill_cost_fit``); ``"linear"``: a
     :class:`~cpd.policy.routing.LinearCostModel` with ``attn_coeff = 0`` whose prefill rate is the
     roofline rate of a typical warm turn (``workload.turn_suffix`` new tokens on
     ``workload.first_context`` cached) and whose L2 / L3 bandwidths and overheads are the roofline
@@ -172,7 +174,7 @@ def router_cost(exp: dict, pcost: RooflineCostModel):
     kind = exp.get("router_cost", "roofline")
     if kind == "roofline":
         return pcost
-    if kind not in ("linear", "learned"):
+    if kind not in ("linear", "learned", "learned-fit"):
         raise ValueError(f"unknown router_cost {kind!r}")
     w = exp.get("workload", {})
     new = int(w.get("turn_suffix", 2000))

@@ -152,7 +152,7 @@ def test_a_burst_spreads_over_the_decode_workers_and_the_counts_drain():
 
 
 def test_a_learning_router_fits_the_instances_prefill_times_like_the_live_router():
-    """With ``learn_router_cost`` the simulated router feeds every prefill (compute time = first
+    """With ``learn_router_cost`` (and the fit) the simulated router feeds every prefill (compute time = first
     token - arrival - the engine's queue time on the virtual clock) to the live CostEstimates, so
     a start rate that is 10x off ends close to the instances' roofline on the shapes it saw."""
     from dataclasses import replace
@@ -161,7 +161,7 @@ def test_a_learning_router_fits_the_instances_prefill_times_like_the_live_router
 
     start = LinearCostModel(kv_bytes_per_token=COST.kv_bytes_per_token, prefill_tokens_per_s=1000.0,
                             l2_bytes_per_s=COST.link_bytes_per_s("L2"), l3_bytes_per_s=COST.link_bytes_per_s("L3"))
-    cl = replace(_cluster("pd", l3_bytes=0), router_cost=start, learn_router_cost=True)
+    cl = replace(_cluster("pd", l3_bytes=0), router_cost=start, learn_router_cost=True, fit_router_cost=True)
     sim = EngineSimulator(cl, _agent_requests(120, qps=2.0)).run()
     assert sim.estimates is not None and sim.estimates.fit_rms_rel_error is not None
     fitted = sim.estimates.model()
@@ -170,3 +170,35 @@ def test_a_learning_router_fits_the_instances_prefill_times_like_the_live_router
         assert abs(start.prefill_time_s(n, p) / COST.prefill_time_s(n, p) - 1) > 1.0
     fixed = EngineSimulator(_cluster("pd", l3_bytes=0), _agent_requests(5)).run()
     assert fixed.estimates is None
+
+
+@pytest.mark.parametrize("margin", [2, -1])
+def test_the_router_sees_the_decode_workers_blocks_and_a_follow_up_goes_to_their_holder(margin):
+    """Prefill nodes TP4, decode ranks TP1 (the reference layout): every engine hashes in the one
+    namespace, so the router's index matches the decode worker's L1. A's follow-up B (A's prompt
+    plus 4 blocks), routed while A still decodes on its worker and C's worker is idle, goes to
+    A's worker (rule 6 prefix affinity: one request above the least-loaded, within the margin);
+    with affinity off it goes to the idle worker."""
+    cost4 = RooflineCostModel.build("Llama-3.1-8B", "B200", tp=4)
+    insts = (EngineInstanceSpec("prefill", cost4, _sched(), 2000, 0),
+             *(EngineInstanceSpec("decode", COST, _sched(), 2000, 0) for _ in range(2)))
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=margin),
+                           cost4, BS, l3_bytes=0)
+    a_blocks = tuple(range(1, 21))
+    reqs = [SimRequest(0.0, 20 * BS, 3000, a_blocks), SimRequest(1e-6, 20 * BS, 2, tuple(range(100, 120))),
+            SimRequest(2.0, 24 * BS, 2, a_blocks + (21, 22, 23, 24))]
+    seen = []
+
+    def recording_route(n, match, loads, cfg, cost):
+        seen.append(dict(match.l1))
+        return cpd.policy.routing.route(n, match, loads, cfg, cost)
+
+    esim.route, saved = recording_route, esim.route
+    try:
+        sim = EngineSimulator(cl, reqs).run()
+    finally:
+        esim.route = saved
+    a, c, b = sim.rec
+    assert a["decode"] != c["decode"] and c["done_t"] < 2.0 < a["done_t"]
+    assert seen[2][a["decode"]] == 20  # A's whole prompt, in the decode worker's L1
+    assert b["decode"] == (a["decode"] if margin >= 0 else c["decode"])

@@ -1,6 +1,7 @@
-"""The live router's cost estimates (cpd.router.estimates): the prefill terms are fitted to what
-workers report, so short and long-context prefills are both priced right; the window is bounded
-and follows drift; degenerate or noisy observations fall back to the rate's EWMA."""
+"""The live router's cost estimates (cpd.router.estimates): by default one EWMA rate; with
+``fit_prefill`` the prefill terms are fitted to what workers report, so short and long-context
+prefills are both priced right; the window is bounded and follows drift; degenerate or noisy
+observations fall back to the rate's EWMA."""
 from __future__ import annotations
 
 import random
@@ -26,7 +27,7 @@ def _shapes(rng: random.Random, k: int) -> list[tuple[int, int]]:
 
 
 def test_fit_prices_short_cold_and_long_warm_prefills_alike():
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0))
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0), fit_prefill=True)
     for n, p in _shapes(random.Random(1), 64):
         est.observe_prefill(n, p, _t(n, p))
     m = est.model()
@@ -40,7 +41,7 @@ def test_fit_prices_short_cold_and_long_warm_prefills_alike():
 
 def test_noisy_observations_still_fit_within_the_noise():
     rng = random.Random(2)
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000))
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000), fit_prefill=True)
     for n, p in _shapes(rng, 200):
         est.observe_prefill(n, p, _t(n, p) * rng.uniform(0.9, 1.1))
     m = est.model()
@@ -49,7 +50,8 @@ def test_noisy_observations_still_fit_within_the_noise():
 
 
 def test_one_shape_only_is_not_separable_and_the_rate_follows_the_ewma():
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0), alpha=0.5)
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0), alpha=0.5,
+                        fit_prefill=True)
     for _ in range(3 * MIN_FIT_OBSERVATIONS):
         est.observe_prefill(1000, 0, 0.1)  # 10 K tok/s, always the same shape
     m = est.model()
@@ -60,7 +62,7 @@ def test_one_shape_only_is_not_separable_and_the_rate_follows_the_ewma():
 
 def test_unfittable_noise_is_rejected():
     rng = random.Random(3)
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0))
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0), fit_prefill=True)
     for n, p in _shapes(rng, 100):
         est.observe_prefill(n, p, rng.uniform(0.001, 5.0))  # unrelated to the shape
     assert est.fit_rms_rel_error is None
@@ -68,7 +70,7 @@ def test_unfittable_noise_is_rejected():
 
 def test_window_is_bounded_and_follows_a_change_of_speed():
     rng = random.Random(4)
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000))
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000), fit_prefill=True)
     for n, p in _shapes(rng, 500):
         est.observe_prefill(n, p, _t(n, p))
     for n, p in _shapes(rng, MAX_PREFILL_OBSERVATIONS + 8):  # the workers became 3x slower
@@ -78,7 +80,7 @@ def test_window_is_bounded_and_follows_a_change_of_speed():
 
 
 def test_tiny_or_non_positive_observations_are_ignored():
-    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0))
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0), fit_prefill=True)
     est.observe_prefill(8, 0, 0.5)
     est.observe_prefill(1000, 0, 0.0)
     est.observe_prefill(1000, 0, -1.0)
@@ -88,7 +90,7 @@ def test_tiny_or_non_positive_observations_are_ignored():
 def test_the_router_fits_compute_without_the_prefix_loads():
     """record_prefill subtracts the estimated L2/L3 load time from the worker's compute time."""
     cost = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e9, l3_bytes_per_s=1e9, l3_overhead_s=0.0)
-    est, m = CostEstimates(cost), RouterMetrics()
+    est, m = CostEstimates(cost, fit_prefill=True), RouterMetrics()
     d = RouteDecision(RequestClass.WARM, Role.PREFILL, "p0", "d0", LoadPlan(0, 0, 10), 0.5, 0.01)
     for n, p in _shapes(random.Random(5), 64):
         load_s = p * 1000 / 1e9  # p tokens of 1000 bytes from L3 at 1 GB/s
@@ -96,3 +98,12 @@ def test_the_router_fits_compute_without_the_prefix_loads():
                               compute_s=_t(n, p) + load_s, num_cached_tokens_by_tier={Tier.L3: p}, kv_bytes=0)
         record_prefill(m, est, d, pre, ttft_s=1.0, num_prompt_tokens=n + p)
     assert est.model().prefill_time_s(2000, 100000) == pytest.approx(_t(2000, 100000), rel=1e-6)
+
+
+def test_by_default_one_ewma_rate_and_no_fit():
+    est = CostEstimates(LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=2000.0))
+    for n, p in _shapes(random.Random(6), 64):
+        est.observe_prefill(n, p, _t(n, p))
+    m = est.model()
+    assert est.fit_rms_rel_error is None and m.prefill_overhead_s == 0.0 and m.attn_coeff == 0.0
+    assert m.prefill_tokens_per_s != 2000.0
