@@ -2,13 +2,15 @@
 exactly the work of ``Dispatcher.decide`` (no HTTP), against an index of about a million
 block hashes spread over 8 prefill-side workers (L1 and L2) and the L3 store.
 
-Two cases per prompt length, interleaved:
+Three cases per prompt length, interleaved:
 
 * ``cold``: a prompt never seen before (every block is hashed);
 * ``grown``: a session's next turn (the previous prompt + 256 new tokens), whose head is warm
   in the index (p0 holds its first half in L1 and the next quarter in L2). The C hash path
   hashes it whole; the pure-Python path takes its already hashed prefix from the hash cache
-  (``cpd.kv.block_hash``).
+  (``cpd.kv.block_hash``);
+* ``grown_l3``: another session's next turn whose previous prompt is in the shared L3 store
+  only (written through in 16-block chunks), in no worker's L1/L2.
 
 Times are wall clock (p50, p99); ``cpu_p50_ms``/``cpu_p99_ms`` are the process CPU time of
 a decision (on a shared machine the wall clock also counts waiting for a core).
@@ -77,6 +79,13 @@ def decide_parts_ms(idx: PrefixIndex, tokens: list[int], loads, cfg, cost) -> tu
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
 
+def _seed_l3(idx: PrefixIndex, tokens: list[int]) -> None:
+    """Put the prompt's blocks in L3 only, in 16-block chunks (a write-through)."""
+    hs = hash_blocks(tokens, NS)
+    idx.apply_batch("pp", 10**9 + len(tokens), KVEventBatch(ts=0, events=[
+        _stored(hs[i:i + 16], MEDIUM_L3) for i in range(0, len(hs) - 15, 16)]))
+
+
 def _seed_prompt(idx: PrefixIndex, tokens: list[int]) -> None:
     """Make the prompt's head warm somewhere: p0 holds half in L1, the next quarter in L2."""
     hs = hash_blocks(tokens, NS)
@@ -113,11 +122,15 @@ def main() -> None:
     out: dict[str, dict] = {}
     for n in [int(x) for x in a.lengths.split(",")]:
         cold_ms, grown_ms, cold_cpu_ms, grown_cpu_ms = [], [], [], []
+        l3_ms, l3_cpu_ms = [], []
         parts: list[tuple[float, float, float]] = []
         grown_parts: list[tuple[float, float, float]] = []
+        l3_parts: list[tuple[float, float, float]] = []
         session = [rng.randrange(50000) for _ in range(n - 256)]
         _seed_prompt(idx, session)
         decide(idx, session, loads, cfg, cost)
+        session_l3 = [rng.randrange(50000) for _ in range(n - 256)]
+        _seed_l3(idx, session_l3)
         for _ in range(a.reps):
             cold = [rng.randrange(50000) for _ in range(n)]
             t, tc = time.perf_counter(), time.process_time()
@@ -129,20 +142,31 @@ def main() -> None:
             d = decide(idx, grown, loads, cfg, cost)
             grown_ms.append((time.perf_counter() - t) * 1e3)
             grown_cpu_ms.append((time.process_time() - tc) * 1e3)
+            grown3 = session_l3 + [rng.randrange(50000) for _ in range(256)]
+            t, tc = time.perf_counter(), time.process_time()
+            d3 = decide(idx, grown3, loads, cfg, cost)
+            l3_ms.append((time.perf_counter() - t) * 1e3)
+            l3_cpu_ms.append((time.process_time() - tc) * 1e3)
             if a.breakdown:
                 parts.append(decide_parts_ms(idx, [rng.randrange(50000) for _ in range(n)], loads, cfg, cost))
                 grown_parts.append(decide_parts_ms(idx, session + [rng.randrange(50000) for _ in range(256)],
                                                    loads, cfg, cost))
+                l3_parts.append(decide_parts_ms(idx, session_l3 + [rng.randrange(50000) for _ in range(256)],
+                                                loads, cfg, cost))
         assert d.load_plan.l1_blocks > 0 and d.load_plan.l2_blocks > 0, d
+        m3 = idx.match(hash_blocks(grown3, NS), l3_max_blocks=(len(grown3) - 1) // BS)
+        assert m3.l3 >= (len(session_l3) // BS) // 16 * 16 and not m3.l1 and not m3.l2, (m3, d3)
         out[str(n)] = {k: {"p50_ms": statistics.median(v), "p99_ms": _p99(v)}
-                       for k, v in (("cold", cold_ms), ("grown", grown_ms))}
-        for k, v in (("cold", cold_cpu_ms), ("grown", grown_cpu_ms)):
+                       for k, v in (("cold", cold_ms), ("grown", grown_ms), ("grown_l3", l3_ms))}
+        for k, v in (("cold", cold_cpu_ms), ("grown", grown_cpu_ms), ("grown_l3", l3_cpu_ms)):
             out[str(n)][k].update(cpu_p50_ms=statistics.median(v), cpu_p99_ms=_p99(v))
         print(f"{n:>7} tokens: cold p50 {out[str(n)]['cold']['p50_ms']:.2f} ms p99 {out[str(n)]['cold']['p99_ms']:.2f}"
               f" ms | grown p50 {out[str(n)]['grown']['p50_ms']:.2f} ms p99 {out[str(n)]['grown']['p99_ms']:.2f} ms"
-              f" | CPU p99 cold {out[str(n)]['cold']['cpu_p99_ms']:.2f} ms grown {out[str(n)]['grown']['cpu_p99_ms']:.2f}"
+              f" | CPU p50/p99 cold {out[str(n)]['cold']['cpu_p50_ms']:.2f}/{out[str(n)]['cold']['cpu_p99_ms']:.2f}"
+              f" grown {out[str(n)]['grown']['cpu_p50_ms']:.2f}/{out[str(n)]['grown']['cpu_p99_ms']:.2f}"
+              f" grown_l3 {out[str(n)]['grown_l3']['cpu_p50_ms']:.2f}/{out[str(n)]['grown_l3']['cpu_p99_ms']:.2f}"
               " ms", flush=True)
-        for case, ps in (("cold", parts), ("grown", grown_parts)):
+        for case, ps in (("cold", parts), ("grown", grown_parts), ("grown_l3", l3_parts)):
             if not ps:
                 continue
             names = ("hash", "match", "route")

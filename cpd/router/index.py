@@ -1,8 +1,9 @@
 """The router's global prefix index, fed by KV events (docs/architecture.md).
 
 For every block hash it records which workers hold it in L1 (medium ``GPU``) or L2
-(medium ``CPU``), as a bitmask of workers per tier (one dict lookup per block and tier
-answers for every worker at once). The shared L3 store (medium ``L3``) is kept at the
+(medium ``CPU``), as a bitmask of workers per tier (one lookup per block and tier answers
+for every worker at once; the masks live in :class:`cpd.router.mask_table.MaskTable`, whose
+lookups for a whole prompt are vectorised). The shared L3 store (medium ``L3``) is kept at the
 store's own granularity, chunks, by :class:`cpd.router.l3_view.L3View` (see there for how
 it converges: events, worker observations, re-announcements, store snapshots).
 Only blocks announced by ``BlockStored`` count; ``BlockRemoved`` and
@@ -28,60 +29,63 @@ from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_left
 from collections import OrderedDict
-from itertools import accumulate, islice, repeat, takewhile
-from operator import and_
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, AllBlocksCleared, BlockRemoved, BlockStored,
                            KVEventBatch)
 from cpd.policy.routing import PrefixMatch
 from cpd.router.l3_view import ChunkKey, L3View
+from cpd.router.mask_table import PLANE_BITS, U64, MaskTable, as_u64
 
 MAX_PENDING_WRITES = 65536  # block hashes being written through, all prefills together
 PENDING_GRACE_S = 5.0  # a pending block is forgotten this long after its predicted visible time
 
 
-class _TierMasks:
-    """block hash → bitmask of the workers holding it in one tier, plus each worker's set."""
+_COL: dict[str | None, int] = {MEDIUM_L2: 1}  # medium -> mask column; any other (GPU, None, ...): L1 = 0
+
+
+class _Tiers:
+    """block hash → bitmask of the workers holding it, per tier (L1, L2): one
+    :class:`MaskTable` (a row per hash: its L1 mask, its L2 mask) per plane of 63 workers
+    (worker bit ``1 << i`` is local bit ``1 << (i % 63)`` of plane ``i // 63``)."""
 
     def __init__(self) -> None:
-        self.masks: dict[int, int] = {}
-        self.held: dict[int, set[int]] = {}  # worker bit -> hashes
+        self.planes: list[MaskTable] = []
 
-    def add(self, bit: int, hashes: Iterable[int]) -> None:
-        held = self.held.get(bit)
-        if held is None:
-            held = self.held[bit] = set()
-        masks = self.masks
-        for h in hashes:
-            if h not in held:
-                held.add(h)
-                masks[h] = masks.get(h, 0) | bit
+    def plane(self, p: int) -> MaskTable:
+        while len(self.planes) <= p:
+            self.planes.append(MaskTable())
+        return self.planes[p]
 
-    def remove(self, bit: int, hashes: Iterable[int]) -> None:
-        held = self.held.get(bit)
-        if not held:
-            return
-        for h in hashes:
-            if h in held:
-                held.discard(h)
-                self._clear(h, bit)
+    def of(self, bit: int) -> tuple[MaskTable, int]:
+        """(the table of worker bit ``bit``'s plane, its local bit there)."""
+        p, local = _plane_bit(bit)
+        return self.plane(p), local
+
+    def add(self, col: int, bit: int, hashes: Iterable[int]) -> None:
+        table, local = self.of(bit)
+        table.add(col, local, hashes)
+
+    def remove(self, col: int, bit: int, hashes: Iterable[int]) -> None:
+        table, local = self.of(bit)
+        table.remove(col, local, hashes)
 
     def clear_worker(self, bit: int) -> None:
-        for h in self.held.pop(bit, ()):
-            self._clear(h, bit)
+        p, local = _plane_bit(bit)
+        if p < len(self.planes):
+            self.planes[p].clear_bit(local)
 
-    def _clear(self, h: int, bit: int) -> None:
-        m = self.masks.get(h, 0) & ~bit
-        if m:
-            self.masks[h] = m
-        else:
-            self.masks.pop(h, None)
+    def size(self, col: int) -> int:
+        return sum(t.num_pairs[col] for t in self.planes)
 
-    def size(self) -> int:
-        return sum(len(s) for s in self.held.values())
+
+def _plane_bit(bit: int) -> tuple[int, int]:
+    """(plane, local bit) of worker bit ``bit``."""
+    p, i = divmod(bit.bit_length() - 1, PLANE_BITS)
+    return p, 1 << i
 
 
 class PrefixIndex:
@@ -92,7 +96,7 @@ class PrefixIndex:
         self._bits: dict[str, int] = {}  # worker id -> its bit
         self._free_bits: list[int] = []
         self._next_bit = 1
-        self._tiers = {MEDIUM_L1: _TierMasks(), MEDIUM_L2: _TierMasks()}
+        self._tiers = _Tiers()
         self._l3 = L3View(l3_chunk_blocks)
         self._last_seq: dict[str, int] = {}
         self.num_gaps = 0
@@ -119,19 +123,17 @@ class PrefixIndex:
         """:meth:`_apply` each event in order; L1/L2 ``BlockStored``/``BlockRemoved`` (nearly all
         events) inline, with the worker's bit looked up once (still at the first event that
         needs it, so bits are assigned in the same order)."""
-        tiers = self._tiers
-        l1 = tiers[MEDIUM_L1]
-        bit = 0
+        table: MaskTable | None = None
+        local = 0
         for ev in events:
             t = type(ev)
             if (t is BlockStored or t is BlockRemoved) and ev.medium != MEDIUM_L3:
-                if not bit:
-                    bit = self._bit(worker_id)
-                tier = tiers.get(ev.medium, l1)
+                if table is None:
+                    table, local = self._tiers.of(self._bit(worker_id))
                 if t is BlockStored:
-                    tier.add(bit, ev.block_hashes)
+                    table.add(_COL.get(ev.medium, 0), local, ev.block_hashes)
                 else:
-                    tier.remove(bit, ev.block_hashes)
+                    table.remove(_COL.get(ev.medium, 0), local, ev.block_hashes)
             else:
                 self._apply(worker_id, ev)
 
@@ -142,19 +144,14 @@ class PrefixIndex:
                 for h in ev.block_hashes:  # visible now: no longer pending
                     self._pending.pop(h, None)
             else:
-                self._tier(ev.medium).add(self._bit(worker_id), ev.block_hashes)
+                self._tiers.add(_COL.get(ev.medium, 0), self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, BlockRemoved):
             if ev.medium == MEDIUM_L3:
                 self._l3.removed(ev.block_hashes)
             else:
-                self._tier(ev.medium).remove(self._bit(worker_id), ev.block_hashes)
+                self._tiers.remove(_COL.get(ev.medium, 0), self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
-            bit = self._bit(worker_id)
-            for t in self._tiers.values():
-                t.clear_worker(bit)
-
-    def _tier(self, medium: str | None) -> _TierMasks:
-        return self._tiers[medium if medium in (MEDIUM_L1, MEDIUM_L2) else MEDIUM_L1]
+            self._tiers.clear_worker(self._bit(worker_id))
 
     def _bit(self, worker_id: str) -> int:
         bit = self._bits.get(worker_id)
@@ -170,9 +167,9 @@ class PrefixIndex:
         """Resynchronise one worker's L1/L2 entries from a snapshot."""
         with self._lock:
             bit = self._bit(worker_id)
-            for t, hs in ((self._tiers[MEDIUM_L1], l1), (self._tiers[MEDIUM_L2], l2)):
-                t.clear_worker(bit)
-                t.add(bit, hs)
+            self._tiers.clear_worker(bit)
+            self._tiers.add(0, bit, l1)
+            self._tiers.add(1, bit, l2)
             if seq is not None:
                 self._last_seq[worker_id] = seq
 
@@ -195,8 +192,7 @@ class PrefixIndex:
         with self._lock:
             bit = self._bits.pop(worker_id, None)
             if bit is not None:
-                for t in self._tiers.values():
-                    t.clear_worker(bit)
+                self._tiers.clear_worker(bit)
                 self._free_bits.append(bit)
             self._last_seq.pop(worker_id, None)
 
@@ -273,25 +269,21 @@ class PrefixIndex:
 
     def _local_runs(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
         """worker id → (end of its L1 run from block 0, end of the L2 run continuing it).
-        The runs are walked in C (``map``/``accumulate`` over worker bitmasks, stopping when
-        no worker is left); the per-worker ends are then found by bisection."""
-        everyone = 0
+        One walk per plane of workers (:func:`_walk`)."""
+        groups: dict[int, int] = {}  # plane -> its workers' local bits
         for bit in self._bits.values():
-            everyone |= bit
-        end1 = _run_ends(self._tiers[MEDIUM_L1].masks, block_hashes, 0, everyone)
-        by_start: dict[int, int] = {}
-        for bit, a in end1.items():
-            by_start[a] = by_start.get(a, 0) | bit
-        l2 = self._tiers[MEDIUM_L2].masks
-        end2: dict[int, int] = {}
-        for a, group in by_start.items():
-            for bit, b in _run_ends(l2, block_hashes, a, group).items():
-                end2[bit] = b
-        return {w: (end1.get(bit, 0), end2[bit]) for w, bit in self._bits.items() if end2.get(bit, 0)}
+            p, local = _plane_bit(bit)
+            groups[p] = groups.get(p, 0) | local
+        q = _Query(block_hashes)
+        ends: dict[int, tuple[int, int]] = {}
+        for p, group in groups.items():
+            for local, e in _walk(self._tiers.plane(p), q, group).items():
+                ends[local << (PLANE_BITS * p)] = e
+        return {w: ends[bit] for w, bit in self._bits.items() if ends.get(bit, (0, 0))[1]}
 
     def sizes(self) -> dict[str, int]:
         with self._lock:
-            return {"L1": self._tiers[MEDIUM_L1].size(), "L2": self._tiers[MEDIUM_L2].size(),
+            return {"L1": self._tiers.size(0), "L2": self._tiers.size(1),
                     "L3": self._l3.num_blocks()}
 
     def l3_chunks(self) -> list[ChunkKey]:
@@ -300,21 +292,106 @@ class PrefixIndex:
             return self._l3.keys()
 
 
-def _run_ends(masks: dict[int, int], block_hashes: Sequence[int], start: int, group: int) -> dict[int, int]:
-    """For each worker bit in ``group``: the end of its run of consecutive blocks from
-    ``start`` whose tier mask holds the bit."""
-    acc = list(takewhile(bool, accumulate(map(masks.get, islice(block_hashes, start, None), repeat(0)), and_,
-                                          initial=group)))
-    # acc[k] = workers holding blocks start .. start+k-1 (acc[0] = group); it only loses bits
-    ends: dict[int, int] = {}
-    lo, cur = 0, group
-    while cur:
-        k = bisect_left(acc, True, lo, key=lambda x: x != cur)  # first k with acc[k] != cur
-        nxt = acc[k] if k < len(acc) else 0
-        gone = cur & ~nxt
-        while gone:
-            bit = gone & -gone
-            ends[bit] = start + k - 1
-            gone ^= bit
-        lo, cur = k, nxt
-    return ends
+class _Query:
+    """A prompt's block hashes, turned into a uint64 array lazily, as far as a walk needs them
+    (a cold prompt's walk stops at its first blocks); up to :data:`_FIRST_CHUNK` blocks are
+    looked up one by one."""
+
+    def __init__(self, block_hashes: Sequence[int]) -> None:
+        self.hashes = block_hashes
+        self.n = len(block_hashes)
+        self._arr: U64 | None = as_u64(block_hashes) if isinstance(block_hashes, np.ndarray) else None
+        self._done = self.n if self._arr is not None else 0
+        self._odd = isinstance(block_hashes, np.ndarray) and self._arr is None  # a hash outside [0, 2**64): one by one
+
+    def first_masks(self, table: MaskTable) -> int:
+        """The OR of the table's L1 and L2 masks of block 0."""
+        m1, m2 = table.get(self.hashes[0])
+        return m1 | m2
+
+    def masks(self, table: MaskTable, s: int, e: int) -> U64:
+        """The table's (L1, L2) masks of blocks ``s .. e-1``, shape ``(e - s, 2)``."""
+        if not len(table):
+            return np.zeros((e - s, 2), np.uint64)
+        if e <= _FIRST_CHUNK or self._odd:
+            return np.array([table.get(h) for h in self.hashes[s:e]], np.uint64).reshape(e - s, 2)
+        if e > self._done:
+            upto = min(self.n, max(e, _CHUNK_GROWTH * self._done))  # a whole round at least
+            part = as_u64(self.hashes[self._done:upto])
+            if part is None:
+                self._odd = True
+            else:
+                self._arr = part if self._arr is None else np.concatenate((self._arr, part))
+                self._done = upto
+        if e <= self._done and self._arr is not None:
+            return table.lookup(self._arr[s:e])
+        return np.array([table.get(h) for h in self.hashes[s:e]], np.uint64).reshape(e - s, 2)
+
+
+# A walk looks blocks up in rounds: the first _FIRST_CHUNK one by one (a short shared head, e.g.
+# a system prompt, costs no numpy call), then _SECOND_CHUNK at once, then _CHUNK_GROWTH x more
+# each round. A round costs ~80 numpy calls, each tens of microseconds right after hashing a
+# long prompt has evicted the caches, which is more than gathering a few thousand more rows:
+# the default second round is the rest of the prompt.
+_FIRST_CHUNK = 32
+_SECOND_CHUNK = 1 << 40
+_CHUNK_GROWTH = 4
+
+
+def _walk(table: MaskTable, q: _Query, group: int) -> dict[int, tuple[int, int]]:
+    """For each local worker bit in ``group``: (end of its run of consecutive blocks from 0
+    held in L1, end of the run continuing it in L2). Both tiers' masks are looked up together,
+    in rounds of growing size, until no bit is left in either run. In a round, the running AND
+    of the L1 masks only loses bits; a bit lost at block ``j`` ends its L1 run at ``j`` and
+    starts its L2 run there (a running AND of the L2 masks from ``j``)."""
+    end1: dict[int, int] = {}
+    end2: dict[int, int] = {}
+    if q.n and not (q.first_masks(table) & group):  # no run at all (a cold prompt): one probe
+        return {bit: (0, 0) for bit in _bits_of(group)}
+    s, step, cur1, cur2 = 0, _FIRST_CHUNK, group, 0  # cur1: in their L1 run; cur2: in their L2 run
+    while (cur1 or cur2) and s < q.n:
+        e = min(q.n, s + max(1, step))
+        m = q.masks(table, s, e)
+        starts = [(0, cur2)] if cur2 else []  # (offset in this round, bits starting their L2 walk there)
+        if cur1:
+            acc = np.bitwise_and.accumulate(m[:, 0]) & np.uint64(cur1)
+            for k, gone in _losses(acc, cur1):
+                for bit in _bits_of(gone):
+                    end1[bit] = s + k
+                starts.append((k, gone))
+            cur1 = int(acc[-1])
+        cur2 = 0
+        for k0, g in starts:
+            acc = np.bitwise_and.accumulate(m[k0:, 1]) & np.uint64(g)
+            for k, gone in _losses(acc, g):
+                for bit in _bits_of(gone):
+                    end2[bit] = s + k0 + k
+            cur2 |= int(acc[-1])
+        s, step = e, _SECOND_CHUNK if s == 0 else _CHUNK_GROWTH * step
+    for bit in _bits_of(cur1):  # held to the end of the prompt
+        end1[bit] = end2[bit] = s
+    for bit in _bits_of(cur2):
+        end2[bit] = s
+    return {bit: (end1[bit], end2[bit]) for bit in end1}
+
+
+def _losses(acc: U64, cur: int) -> list[tuple[int, int]]:
+    """(k, bits lost at k) for a running AND ``acc`` (``acc[k]`` = ``cur`` AND the masks of
+    blocks 0 .. k of the round)."""
+    out = []
+    prev = cur
+    ks = (acc[1:] != acc[:-1]).nonzero()[0] + 1
+    for k in ([0] if int(acc[0]) != cur else []) + ks.tolist():
+        now = int(acc[k])
+        out.append((k, prev & ~now))
+        prev = now
+    return out
+
+
+def _bits_of(mask: int) -> list[int]:
+    out = []
+    while mask:
+        bit = mask & -mask
+        out.append(bit)
+        mask ^= bit
+    return out
