@@ -33,6 +33,18 @@ Static mode (``RoutingMode.STATIC``, the published CPD rule):
    lands; counted only once decoding, a burst saw equal counts and went to one worker, and the
    workers' unequal handoff counts set the TPOT p90 of a decode-bound cluster
    (docs/sim_results/adaptive_grid/README.md, section 1).
+   *Prefix affinity* (``decode_affinity_margin`` >= 0): the handoff import reuses the blocks the
+   decode worker already holds in L1 and moves only the rest, so a decode worker whose L1 holds
+   at least ``DECODE_AFFINITY_MIN_SHARE`` (half) of the prompt more than the least-loaded worker
+   (the choice above) holds wins instead, if taking the request leaves it at most
+   ``decode_affinity_margin`` assigned requests above the least-loaded one; among several, the
+   longest L1 prefix, then the order above. The margin (default 2) is the cost model's trade:
+   a saved import of a 100 K-token prompt stalls the batch ~0.16 s (FP8 KV of the reference
+   model over one NIC) once, and each extra 100 K-token sequence lengthens every step ~1 ms
+   (its KV read), ~0.1 s over a 100-token answer; so one saved import pays for ~1.5 extra
+   sequences and shrinks the decode pool's total import work, while a margin of 25 % of
+   ``max_num_seqs`` (6 of 24) could cost ~0.6 s, four imports. Without a holder
+   (or ``decode_affinity_margin`` < 0) the choice is the least-loaded one, unchanged.
 
 Adaptive mode (``RoutingMode.ADAPTIVE``, issue 11): route on *remaining work*, not on the reuse
 ratio. Sources: llm-d routes follow-ups by their uncached tokens to a short-work prefill pool;
@@ -194,6 +206,9 @@ class RoutingConfig:
         decode_append_max_tokens: decode-local append of at most this many uncached tokens
             on a decode worker holding the prefix in L1 (0 -> off).
         raw_wait_max_s: read-after-write: the longest wait for pending L3 blocks (0 -> never wait).
+        decode_affinity_margin: rule 6: the most assigned requests by which a decode worker holding
+            the prompt's prefix in L1 may exceed the least-loaded one after taking the request
+            (< 0 -> no prefix affinity: the least-loaded worker always).
     """
 
     topology: Topology = Topology.CPD
@@ -208,6 +223,7 @@ class RoutingConfig:
     admission_factor: float | None = None
     decode_append_max_tokens: int = 0
     raw_wait_max_s: float = 0.0
+    decode_affinity_margin: int = 2
 
     def resolved_write_through(self) -> WriteThrough:
         """``write_through`` with the topology's default filled in."""
@@ -380,15 +396,39 @@ def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: 
     return LoadPlan(loaded[Tier.L1], loaded[Tier.L2], loaded[Tier.L3]), recompute
 
 
-def pick_decode(loads: Sequence[WorkerLoad]) -> str | None:
+DECODE_AFFINITY_MIN_SHARE = 0.5
+"""Rule 6 prefix affinity: a decode worker's L1 must hold at least this share of the prompt more than
+the least-loaded worker's does: a shared system prompt held everywhere, or a few blocks more, never
+outweigh the load order."""
+
+
+def _assigned(w: WorkerLoad) -> int:
+    return w.running_requests + w.pending_handoffs
+
+
+def pick_decode(loads: Sequence[WorkerLoad], match: PrefixMatch | None = None, num_prompt_tokens: int = 0,
+                cfg: RoutingConfig | None = None) -> str | None:
     """The decode worker for a request (rule 6): fewest assigned requests (``running_requests +
     pending_handoffs``: handoffs still under way join the batch soon, and each stalls it while
-    its KV arrives), then lowest KV use, then id; None when no decode worker is healthy. Also
-    the dispatcher's choice on a retry."""
+    its KV arrives), then lowest KV use, then id; but a worker whose L1 (``match.l1``) holds at
+    least ``DECODE_AFFINITY_MIN_SHARE`` of the ``num_prompt_tokens``-token prompt more than that
+    one wins when, with the request, it has at most ``cfg.decode_affinity_margin`` assigned
+    requests more (longest L1 prefix first, then the same order). None when no decode worker is
+    healthy. Also the dispatcher's choice on a retry. Without ``match`` or ``cfg``: load only."""
     ds = [w for w in loads if w.role == ROLE_DECODE and w.healthy]
     if not ds:
         return None
-    return min(ds, key=lambda w: (w.running_requests + w.pending_handoffs, w.kv_usage, w.worker_id)).worker_id
+    least = min(ds, key=lambda w: (_assigned(w), w.kv_usage, w.worker_id))
+    if match is None or cfg is None or cfg.decode_affinity_margin < 0 or not match.l1:
+        return least.worker_id
+    base = match.l1.get(least.worker_id, 0)
+    need_blocks = DECODE_AFFINITY_MIN_SHARE * num_prompt_tokens / cfg.block_size
+    holders = [w for w in ds if match.l1.get(w.worker_id, 0) - base >= max(1.0, need_blocks)
+               and _assigned(w) + 1 - _assigned(least) <= cfg.decode_affinity_margin]
+    if not holders:
+        return least.worker_id
+    return min(holders, key=lambda w: (-match.l1.get(w.worker_id, 0), _assigned(w), w.kv_usage,
+                                       w.worker_id)).worker_id
 
 
 def route(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad], cfg: RoutingConfig,
@@ -438,8 +478,8 @@ def _route_static(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[Wo
     write = wt == WriteThrough.ALL or (wt == WriteThrough.COLD and cls == RequestClass.COLD)
     cands = tuple(CandidateEstimate(w_id, Role(r), wait, own, ts, score=ts)
                   for ts, _, w_id, _, r, wait, own in scored)
-    return RouteDecision(cls, Role(role), wid, pick_decode(loads), plan, reuse, t, recompute=plans[wid][1],
-                         fallback_from=fallback_from, write_through=write,
+    return RouteDecision(cls, Role(role), wid, pick_decode(loads, match, num_prompt_tokens, cfg), plan, reuse, t,
+                         recompute=plans[wid][1], fallback_from=fallback_from, write_through=write,
                          reason=DecisionReason.FALLBACK if fallback_from is not None else DecisionReason.STATIC,
                          candidates=cands)
 
@@ -592,7 +632,7 @@ def _adaptive_decision(num_prompt_tokens: int, match: PrefixMatch, loads: Sequen
     heavy = min(c.est.own_s for c in cands) > heavy_uncached_s(cfg)
     win, reason, fallback_from = _choose_prefill_side(cands, heavy, cfg)
     appends = _decode_append_candidates(num_prompt_tokens, match, loads, cfg, cost)
-    decode_worker = pick_decode(loads)
+    decode_worker = pick_decode(loads, match, num_prompt_tokens, cfg)
     if appends and _best(appends).est.ttft_s < win.est.ttft_s:
         win, reason, fallback_from = _best(appends), DecisionReason.DECODE_APPEND, None
         heavy, decode_worker = win.est.own_s > heavy_uncached_s(cfg), win.load.worker_id

@@ -484,7 +484,8 @@ class CPDBackend:
                     if (e.handoff_lost or expired) and attempt + 1 < self.timeouts.max_decode_attempts:
                         self._release_handoff(staged.handoff)
                         staged = await self._reprefill(run)
-                    decode_worker = pick_decode(self._snapshots(run.excluded))
+                    decode_worker = pick_decode(self._snapshots(run.excluded), self.index.match(staged.hashes),
+                                                len(run.req.prompt_token_ids), self.cfg)
                     self.recent.note_decode_retry(run.req.request_id, decode_worker, run.reprefills, str(e))
                     if decode_worker is None:
                         raise BackendError(f"decode failed ({e}); no other healthy decode worker", 503,

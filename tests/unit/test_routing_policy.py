@@ -121,3 +121,65 @@ def test_a_burst_spreads_over_the_decode_pool_before_any_kv_lands():
                                                     for w, n in pending.items()]
         pending[route(320, PrefixMatch(), loads, cfg, COST).decode_worker] += 1
     assert sorted(pending.values()) == [2, 2, 3, 3]
+
+
+def _decode_pool(assigned: dict[str, int]) -> list[WorkerLoad]:
+    return [WorkerLoad("p0", Role.PREFILL)] + [WorkerLoad(w, Role.DECODE, running_requests=n)
+                                               for w, n in assigned.items()]
+
+
+def test_decode_worker_holding_the_prefix_wins_within_the_margin():
+    """Rule 6 affinity: the decode worker whose L1 holds the prompt's prefix takes the request
+    (its import moves only the rest) while, with it, it is at most ``decode_affinity_margin``
+    assigned requests above the least-loaded worker; static and adaptive alike."""
+    match = PrefixMatch(l1={"d1": 18})  # 288 of 320 tokens
+    for mode in ("static", "adaptive"):
+        cfg = RoutingConfig(topology="pd", block_size=BS, mode=mode, decode_affinity_margin=2)
+        assert route(320, match, _decode_pool({"d0": 3, "d1": 4}), cfg, COST).decode_worker == "d1"
+        assert route(320, match, _decode_pool({"d0": 3, "d1": 3}), cfg, COST).decode_worker == "d1"
+
+
+def test_load_wins_over_the_prefix_beyond_the_margin():
+    match = PrefixMatch(l1={"d1": 18})
+    cfg = RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=2)
+    assert route(320, match, _decode_pool({"d0": 3, "d1": 5}), cfg, COST).decode_worker == "d0"
+    off = RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=-1)
+    assert route(320, match, _decode_pool({"d0": 3, "d1": 4}), off, COST).decode_worker == "d0"
+
+
+def test_a_short_or_common_prefix_does_not_pull_requests():
+    """Affinity needs at least half the prompt more than the least-loaded worker holds: a shared
+    system prompt held everywhere, or a short run, leaves the load order as it is."""
+    cfg = RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=2)
+    pool = _decode_pool({"d0": 3, "d1": 4, "d2": 4})
+    assert route(320, PrefixMatch(l1={"d1": 9}), pool, cfg, COST).decode_worker == "d0"  # 144 of 320
+    assert route(320, PrefixMatch(l1={"d0": 4, "d1": 12}), pool, cfg, COST).decode_worker == "d0"  # +8 blocks
+    assert route(320, PrefixMatch(l1={"d0": 4, "d1": 14}), pool, cfg, COST).decode_worker == "d1"  # +10 blocks
+    # two holders: the longest prefix, then the fewest assigned requests
+    assert route(320, PrefixMatch(l1={"d1": 12, "d2": 18}), pool, cfg, COST).decode_worker == "d2"
+    assert route(320, PrefixMatch(l1={"d1": 18, "d2": 18}), _decode_pool({"d0": 3, "d1": 4, "d2": 3}),
+                 cfg, COST).decode_worker == "d2"
+
+
+def test_without_a_holder_the_choice_is_the_least_loaded():
+    cfg = RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=2)
+    pool = _decode_pool({"d0": 2, "d1": 1})
+    assert route(320, PrefixMatch(), pool, cfg, COST).decode_worker == "d1"
+    assert route(320, PrefixMatch(l1={"p0": 18}), pool, cfg, COST).decode_worker == "d1"  # prefill L1 only
+    unhealthy = [WorkerLoad("p0", Role.PREFILL), WorkerLoad("d0", Role.DECODE, running_requests=2),
+                 WorkerLoad("d1", Role.DECODE, running_requests=1, healthy=False)]
+    assert route(320, PrefixMatch(l1={"d1": 18}), unhealthy, cfg, COST).decode_worker == "d0"
+
+
+def test_a_burst_on_one_held_prefix_still_spreads():
+    """Requests sharing one long prefix held by d0 only, routed before any KV lands: d0 takes
+    them until it is ``decode_affinity_margin`` above the others, then the pool shares them, so
+    the spread never exceeds the margin."""
+    cfg = RoutingConfig(topology="pd", block_size=BS, decode_affinity_margin=2)
+    pending = {f"d{i}": 0 for i in range(4)}
+    for _ in range(10):
+        loads = [WorkerLoad("p0", Role.PREFILL)] + [WorkerLoad(w, Role.DECODE, pending_handoffs=n)
+                                                    for w, n in pending.items()]
+        pending[route(320, PrefixMatch(l1={"d0": 18}), loads, cfg, COST).decode_worker] += 1
+        assert max(pending.values()) - min(pending.values()) <= 2
+    assert pending == {"d0": 4, "d1": 2, "d2": 2, "d3": 2}
