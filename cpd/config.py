@@ -148,7 +148,8 @@ class RouterSection(Section):
                               "spill-over, decode-local append, read-after-write (cpd.policy.routing)")
     write_through: Optional[Literal["none", "cold", "all"]] = Field(
         None, description="which prefills write their blocks through to L3: none, cold, all (unset = the "
-                          "topology's default: cpd -> cold, pd -> none; pd + all is the pd-l3 configuration)")
+                          "default: pd -> none, cpd static -> cold, cpd adaptive -> all; pd + all is the pd-l3 "
+                          "configuration)")
     ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO the adaptive rules and admission aim at (s)")
     tpot_slo_s: float = Field(0.1, gt=0, description="TPOT SLO (s); decode-local append must keep it")
     heavy_uncached_s: Optional[float] = Field(None, gt=0, description="adaptive: uncached work above this is "

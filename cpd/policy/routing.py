@@ -94,8 +94,8 @@ A6. Admission (``admission_factor`` set): when every candidate's ``ttft_s`` exce
     ``retry_after_s = ttft_s - max(ttft_slo_s, own_s)`` of the best candidate (the queued work to
     drain before it would meet its SLO, no new arrivals). A request too large for the SLO even on
     an idle worker is judged against its own work, so size alone never rejects it.
-A7. Write-through: ``cfg.resolved_write_through()``: ``all`` → every request, ``cold`` → heavy
-    requests, wherever they run.
+A7. Write-through: ``cfg.resolved_write_through()`` (default ``all`` in adaptive mode): ``all`` →
+    every request, ``cold`` → heavy requests, wherever they run.
 A8. Decode worker: rule 6 (:func:`pick_decode`), except the decode-local append's own worker.
 """
 from __future__ import annotations
@@ -194,8 +194,8 @@ class RoutingConfig:
         cold_threshold: static mode: reuse ratio below which a request is cold.
         block_size: tokens per KV block.
         mode: static (reuse ratio -> fixed pool) or adaptive (remaining-work estimates).
-        write_through: which prefills write their blocks through to L3 (None: the topology's
-            default, cpd -> cold, pd -> none).
+        write_through: which prefills write their blocks through to L3 (None: the default,
+            pd -> none, cpd static -> cold, cpd adaptive -> all; :meth:`resolved_write_through`).
         ttft_slo_s / tpot_slo_s: the SLOs the adaptive rules aim at.
         heavy_uncached_s: adaptive: a request whose uncached work (load + compute on its best
             worker, no queue) exceeds this is heavy ("cold"); None -> ``HEAVY_SLO_SHARE * ttft_slo_s`` (half).
@@ -226,10 +226,18 @@ class RoutingConfig:
     decode_affinity_margin: int = 2
 
     def resolved_write_through(self) -> WriteThrough:
-        """``write_through`` with the topology's default filled in."""
+        """``write_through`` with the default filled in: ``pd`` → none; ``cpd`` static → cold (the
+        published rule: pre-prefill writes what prefill workers will load); ``cpd`` adaptive →
+        all: adaptive routing moves a session's turns between workers and pools, so a turn
+        computed on one worker must be in L3 for the next turn on another (on the modeled-ordering
+        workload, docs/results/modeled_ordering, adaptive with cold-only write-through had an L3
+        hit ratio of 0.01 and lost to pd; with all it beat pd-l3; on the grid's reference cells
+        the two were equal)."""
         if self.write_through is not None:
             return self.write_through
-        return WriteThrough.COLD if self.topology == Topology.CPD else WriteThrough.NONE
+        if self.topology != Topology.CPD:
+            return WriteThrough.NONE
+        return WriteThrough.ALL if self.mode == RoutingMode.ADAPTIVE else WriteThrough.COLD
 
 
 @dataclass(frozen=True)

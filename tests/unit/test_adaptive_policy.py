@@ -71,7 +71,9 @@ def test_class_is_remaining_work_not_reuse_ratio():
 def test_short_work_goes_where_it_finishes_first_within_home():
     d = route(SHORT_TOKENS, _short_match(), _cluster(pp=(0.5,), p=(0.4, 0.1)), CFG, COST)
     assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p1", DecisionReason.HOME)
-    assert not d.write_through
+    assert d.write_through  # adaptive mode writes every prefill through by default (rule A7)
+    cold_only = dataclasses.replace(CFG, write_through=WriteThrough.COLD)
+    assert not route(SHORT_TOKENS, _short_match(), _cluster(pp=(0.5,), p=(0.4, 0.1)), cold_only, COST).write_through
 
 
 def test_hot_prefix_spreads_when_its_holder_is_saturated():
@@ -107,7 +109,7 @@ def test_short_work_spills_to_an_idle_pre_prefill_worker_when_it_finishes_clearl
     assert near.pool == Role.PREFILL and near.reason == DecisionReason.HOME
     queued = route(SHORT_TOKENS, _short_match(), _cluster(p=(0.3, 0.3)), CFG, COST)  # 0.37 vs 0.07 s, SLO met
     assert (queued.pool, queued.prefill_worker, queued.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
-    assert queued.request_class == RequestClass.WARM and not queued.write_through
+    assert queued.request_class == RequestClass.WARM and queued.write_through
 
 
 def test_heavy_work_stays_home_while_it_meets_the_slo():

@@ -183,3 +183,13 @@ def test_a_burst_on_one_held_prefix_still_spreads():
         pending[route(320, PrefixMatch(l1={"d0": 18}), loads, cfg, COST).decode_worker] += 1
         assert max(pending.values()) - min(pending.values()) <= 2
     assert pending == {"d0": 4, "d1": 2, "d2": 2, "d3": 2}
+
+
+def test_write_through_defaults_follow_topology_and_mode():
+    from cpd.types import RoutingMode, WriteThrough
+    assert RoutingConfig(topology="pd").resolved_write_through() == WriteThrough.NONE
+    assert RoutingConfig(topology="pd", mode=RoutingMode.ADAPTIVE).resolved_write_through() == WriteThrough.NONE
+    assert RoutingConfig(topology="cpd").resolved_write_through() == WriteThrough.COLD
+    assert RoutingConfig(topology="cpd", mode=RoutingMode.ADAPTIVE).resolved_write_through() == WriteThrough.ALL
+    explicit = RoutingConfig(topology="cpd", mode=RoutingMode.ADAPTIVE, write_through=WriteThrough.COLD)
+    assert explicit.resolved_write_through() == WriteThrough.COLD
