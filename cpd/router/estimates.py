@@ -13,10 +13,10 @@ report (:meth:`CostEstimates.model`):
   and a 300-token cold prompt both right, which one rate cannot; it is not the default because
   on the simulator's Mooncake cell (docs/sim_results/adaptive_grid/README.md) adaptive routing
   sustained 7 % less with it than with the EWMA (its heavy/short split and spill rules were
-  tuned on the rate). Until a fit is adopted (it needs enough observations of more than one shape, so the terms are
-  separable, and an rms relative error at most :data:`MAX_FIT_RMS_REL_ERROR`), the rate alone
-  follows an exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample);
-  after that the prefill terms change only by refits, and a rejected refit keeps the last one.
+  tuned on the rate). Until a fit is adopted (it needs enough observations of more than one
+  shape, so that the terms are separable, and an rms relative error of at most
+  :data:`MAX_FIT_RMS_REL_ERROR`) the rate follows the EWMA; after that the prefill terms change
+  only by refits, and a rejected refit keeps the last one.
 * **Bandwidth per tier** (L2, L3): EWMA of measured bytes / seconds.
 """
 from __future__ import annotations
@@ -55,11 +55,11 @@ class CostEstimates:
         ``compute_s`` seconds of compute (queueing and prefix loads excluded)."""
         if num_computed_tokens < MIN_PREFILL_TOKENS or compute_s <= 0:
             return
-        self._prefills.append((int(num_computed_tokens), max(0, int(num_cached_tokens)), float(compute_s)))
-        self._since_fit += 1
-        if self.fit_prefill and len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY \
-                and self._refit():
-            return
+        if self.fit_prefill:
+            self._prefills.append((int(num_computed_tokens), max(0, int(num_cached_tokens)), float(compute_s)))
+            self._since_fit += 1
+            if len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY and self._refit():
+                return
         if self.fit_rms_rel_error is None:
             rate = num_computed_tokens / compute_s
             self._m = replace(self._m, prefill_tokens_per_s=self._ewma(self._m.prefill_tokens_per_s, rate))
