@@ -224,7 +224,8 @@ class Router:
             return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
                                   "reason": w.refusal_reason, "max_model_len": w.max_model_len,
                                   "queued_prefill_tokens": w.queued_prefill_tokens,
-                                  "running_requests": w.running_requests, "load": w.last_load,
+                                  "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
+                                  "load": w.last_load,
                                   "last_role_change": w.last_role_change}
                     for w in router.workers.by_id.values()}
 

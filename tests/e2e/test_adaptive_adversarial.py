@@ -67,8 +67,9 @@ def _healthy_before_and_clean_after(dep):
     while time.time() < deadline and _get(dep, "/cpd/index")["pending_writes"]:
         time.sleep(0.2)
     assert _get(dep, "/cpd/index")["pending_writes"] == 0
-    busy = {k: (w["queued_prefill_tokens"], w["running_requests"]) for k, w in _get(dep, "/cpd/workers").items()
-            if w["queued_prefill_tokens"] or w["running_requests"]}
+    busy = {k: (w["queued_prefill_tokens"], w["running_requests"], w["pending_handoffs"])
+            for k, w in _get(dep, "/cpd/workers").items()
+            if w["queued_prefill_tokens"] or w["running_requests"] or w["pending_handoffs"]}
     assert not busy, f"router-side queue figures not back to zero: {busy}"
 
 
@@ -264,7 +265,10 @@ def test_role_change_in_the_middle_of_a_request(dep, tiny_model_dir):
     deadline = time.time() + 10
     while time.time() < deadline and not _get(dep, "/cpd/workers")["p0"]["running_requests"]:
         time.sleep(0.05)
-    assert _get(dep, "/cpd/workers")["p0"]["running_requests"] == 1
+    workers = _get(dep, "/cpd/workers")
+    assert workers["p0"]["running_requests"] == 1
+    # routing rule 6: the decode worker it will hand off to counts it while its prefill runs
+    assert sum(w["pending_handoffs"] for w in workers.values() if w["role"] == "decode") == 1
     before = _metric(dep, "cpd_role_changes_total", from_role="prefill", to_role="pre-prefill")
     _signal(dep, "p0", signal.SIGCONT)
     r = httpx.post(f"{dep.url}/cpd/role", json={"worker_id": "p0", "role": "pre-prefill"}, auth=auth, timeout=10)
