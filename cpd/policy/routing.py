@@ -690,9 +690,9 @@ class LinearCostModel:
     prefill time = prefill_overhead_s + num_new_tokens / prefill_tokens_per_s
     * (1 + attn_coeff * (cached + new/2)), i.e. ``a + b·n + c·n·(p + n/2)`` with ``b = 1/rate``
     and ``c = attn_coeff/rate`` (the form :mod:`cpd.costmodel.calibrated` fits to measured steps);
-    load time = bytes / bandwidth(tier) + overhead(tier). The live router fits the prefill terms
-    to the prefills workers report and the bandwidths to their measured loads
-    (``cpd.router.estimates``).
+    load time = bytes / bandwidth(tier) + overhead(tier). The live router learns the prefill rate
+    (or, with ``router.prefill_cost_fit``, fits all three prefill terms) from the prefills workers
+    report, and the bandwidths from their measured loads (``cpd.router.estimates``).
     """
 
     kv_bytes_per_token: int

@@ -184,7 +184,6 @@ class L3Connector:
         if timeout_s is None:
             self._q.join()
             return True
-        import time
         end = time.monotonic() + timeout_s
         while self._q.unfinished_tasks:
             if time.monotonic() > end:
