@@ -58,11 +58,16 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
 class L3Observation(msgspec.Struct, frozen=True):
     """What one L3 store call saw (:class:`cpd.store.base.Observation`): for each hash in
     ``block_hashes``, the chunks ending at it are exactly ``present``; ``gone`` were found
-    missing or corrupt."""
+    missing or corrupt. ``offset_s``: when the store was checked, in seconds after the worker
+    received the prefill request whose answer carries this observation (negative: before it, as
+    for a check made for an earlier request). The router adds it to the time it sent that
+    request, which gives a lower bound on the check's moment on the router's own clock,
+    whatever the two hosts' clocks say."""
 
     block_hashes: list[BlockHash]
     present: list[ChunkKey]
     gone: list[ChunkKey] = []
+    offset_s: float = 0.0
 
 
 class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):

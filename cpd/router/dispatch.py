@@ -267,7 +267,6 @@ class CPDBackend:
         ttft = time.monotonic() - run.t0
         n_prompt = len(req.prompt_token_ids)
         record_prefill(self.metrics, self.estimates, d, ans, ttft, n_prompt)
-        self._correct_stale_index(d, ans)
         self.recent.remember(req.request_id, d, ans, n_prompt, ttft, raw_wait_s=run.raw_wait_s)
         try:
             yield GenerationChunk(token_ids=ans.first_token_ids, finish_reason=ans.finish_reason,
@@ -447,6 +446,7 @@ class CPDBackend:
         except MalformedBody as e:
             raise BackendError(f"prefill worker {w.worker_id} sent a malformed answer: {e}", 502,
                                "server_error") from None
+        self._correct_stale_index(d, ans, sent_s=now)
         if self.role_window is not None and Role(w.role) in PREFILL_SIDE_ROLES:
             self.role_window.observe_prefill_done(time.monotonic(), Role(w.role), ans.queue_s or 0.0,
                                                   time.monotonic() - run.t0)
@@ -522,18 +522,20 @@ class CPDBackend:
         """Worker load snapshots with this request's excluded workers marked unhealthy."""
         return [replace(s, healthy=False) if s.worker_id in excluded else s for s in self.workers.snapshots()]
 
-    def _correct_stale_index(self, d: RouteDecision, ans: PrefillResponse) -> None:
+    def _correct_stale_index(self, d: RouteDecision, ans: PrefillResponse, sent_s: float) -> None:
         """Bring the L3 view in line with what the worker found in the store (issue 7 §6): it
         reports, per probe or read, exactly which chunks were present and which were missing
         or corrupt, and only those change — valid chunks before or after a bad one stay, and
         chunks the index had lost are relearned. A plan that promised more L3 blocks than were
-        loaded is counted as ``stale_index`` (docs/architecture.md)."""
-        # the probes happened during the prefill call (``prefill_s`` long, timed by the worker):
-        # chunks learned since it began (e.g. from this request's own write-through, sealed
-        # after its probe) may be newer than a probe and are spared
-        since = time.monotonic() - ans.prefill_s
+        loaded is counted as ``stale_index`` (docs/architecture.md).
+
+        Chunks learned after a check (e.g. this request's own write-through, announced after
+        its probe, possibly before this answer arrives) are newer than it and are spared. The
+        check's moment on this clock is bounded from below by ``sent_s`` (when this request
+        was sent, before the worker received it) plus the check's ``offset_s`` from that
+        receipt, as the worker timed it; ``sent_s`` is a time before the POST."""
         for obs in ans.l3_observations:
-            self.index.observe_l3(obs.block_hashes, list(obs.present), list(obs.gone), since=since)
+            self.index.observe_l3(obs.block_hashes, list(obs.present), list(obs.gone), since=sent_s + obs.offset_s)
         plan = d.load_plan
         if plan.l3_blocks and ans.num_cached_tokens_by_tier.get(Tier.L3, 0) < plan.l3_blocks * self.cfg.block_size:
             self.metrics.fallbacks.labels("stale_index").inc()

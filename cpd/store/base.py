@@ -13,6 +13,7 @@ The concepts it builds on each live in their own module:
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -234,8 +235,9 @@ class KVStore(ABC):
             return 0
         hs = [int(h) for h in block_hashes]
         keys = candidate_keys(hs, self.chunk_blocks)
+        t = time.monotonic()
         present = dict(zip(keys, self._exists_many(keys)))
-        self.visibility.observed(Observation(hs, [k for k, there in present.items() if there]))
+        self.visibility.observed(Observation(hs, [k for k, there in present.items() if there], checked_at_s=t))
         covered, chain = cover(present, hs, self.chunk_blocks)
         if announce:
             self.visibility.reannounce([c[2] for c in chain], hs, parent_block_hash, token_ids, block_size)
@@ -254,6 +256,7 @@ class KVStore(ABC):
         hs = [int(h) for h in block_hashes]
         if not hs:
             return [], "ok"
+        t = time.monotonic()
         if self.chunk_blocks == 1:
             # one key per block: no probe needed, fetch everything in one round trip
             chain = [(j, j, (h, 1)) for j, h in enumerate(hs)]
@@ -263,11 +266,13 @@ class KVStore(ABC):
             present = dict(zip(keys, self._exists_many(keys)))
             covered, chain = cover(present, hs, self.chunk_blocks)
             if covered < len(hs):
-                self.visibility.observed(Observation(hs, [k for k, there in present.items() if there]))
+                self.visibility.observed(Observation(hs, [k for k, there in present.items() if there],
+                                                     checked_at_s=t))
                 self._bump(misses=1)
                 return None, "miss"
         out, reason, gone = self._read_chain(hs, chain)
-        self.visibility.observed(Observation(hs, [k for k, there in present.items() if there and k not in gone], gone))
+        self.visibility.observed(Observation(hs, [k for k, there in present.items() if there and k not in gone], gone,
+                                             checked_at_s=t))
         if reason != "ok":
             self._bump(misses=1)
             return None, reason

@@ -97,7 +97,8 @@ class L3Connector:
 
     def drain_observations(self) -> list[dict]:
         """Observations since the last call, oldest first, as JSON-ready dicts
-        ``{"block_hashes": [...], "present": [[h, n], ...], "gone": [[h, n], ...]}``."""
+        ``{"block_hashes": [...], "present": [[h, n], ...], "gone": [[h, n], ...],
+        "checked_at_s": t}`` (``t``: this process's ``time.monotonic()`` before the check)."""
         out: list[dict] = []
         while True:
             try:
@@ -105,7 +106,7 @@ class L3Connector:
             except IndexError:
                 return out
             out.append({"block_hashes": o.block_hashes, "present": [list(k) for k in o.present],
-                        "gone": [list(k) for k in o.gone]})
+                        "gone": [list(k) for k in o.gone], "checked_at_s": o.checked_at_s})
 
     def load(self, block_hashes: Sequence[int]) -> list[np.ndarray] | None:
         """One array per block (checksum verified) or ``None`` (miss / corrupt / unreachable).

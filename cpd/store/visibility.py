@@ -63,11 +63,14 @@ class Observation:
     Every candidate key ``(h, n)`` with ``h`` in ``block_hashes`` and ``1 <= n <= chunk_blocks``
     was checked at one moment; ``present`` are the ones found visible (and not found bad on
     read), ``gone`` the ones a read found missing or corrupt (corrupt ones were deleted). So for
-    each ``h`` in ``block_hashes`` the chunks ending at ``h`` are exactly those in ``present``."""
+    each ``h`` in ``block_hashes`` the chunks ending at ``h`` are exactly those in ``present``.
+    ``checked_at_s``: ``time.monotonic()`` just before the check (a lower bound on its moment:
+    whoever applies the observation must not let it undo what was learned after it)."""
 
     block_hashes: list[int]
     present: list[ChunkKey]
     gone: list[ChunkKey] = field(default_factory=list)
+    checked_at_s: float = 0.0
 
 
 ObservationSink = Callable[[Observation], None]

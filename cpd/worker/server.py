@@ -312,7 +312,8 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
         first_token_ids=list(out.new_token_ids), finish_reason=None if handoff else out.finish_reason,
         num_cached_tokens_by_tier={Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()},
         prefill_s=prefill_s, queue_s=out.queue_s, compute_s=prefill_s - (out.queue_s or 0.0),
-        fallback=st.new_fallbacks(), transfers=st.new_transfers(), l3_observations=_drain_l3_observations(st))
+        fallback=st.new_fallbacks(), transfers=st.new_transfers(),
+        l3_observations=_drain_l3_observations(st, t0))
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return _reply(resp)
 
@@ -337,10 +338,14 @@ def _kv_wire_dtype(engine) -> np.dtype:
     return engine.arrays.to_numpy(engine.arrays.zeros([1])).dtype
 
 
-def _drain_l3_observations(st: WorkerState) -> list[L3Observation]:
-    """What the L3 store showed since the last answer (router keeps its L3 view honest)."""
+def _drain_l3_observations(st: WorkerState, received_s: float) -> list[L3Observation]:
+    """What the L3 store showed since the last answer (router keeps its L3 view honest), each
+    dated relative to ``received_s``, when this worker received the request being answered."""
     drain = getattr(st.connector, "drain_observations", None)
-    return msgspec.convert(drain(), list[L3Observation]) if drain is not None else []
+    if drain is None:
+        return []
+    dated = [dict(o, offset_s=o["checked_at_s"] - received_s) for o in drain()]  # checked_at_s is dropped
+    return msgspec.convert(dated, list[L3Observation])
 
 
 async def _l3_snapshot(st: WorkerState):
