@@ -104,13 +104,18 @@ class PrefixIndex:
 
     # --- updates -----------------------------------------------------------------
     def apply_batch(self, worker_id: str, seq: int, batch: KVEventBatch) -> bool:
-        """Apply one batch from ``worker_id``. Batches at or below the last applied
-        sequence number (e.g. older than a snapshot) are ignored. Returns False if a gap
-        was detected (``seq`` > last+1); the batch is still applied and the caller should
-        resynchronise from a snapshot."""
+        """Apply one batch from ``worker_id``. A batch at or below the last applied sequence
+        number is older than the L1/L2 snapshot that set it (batches arrive in order, once):
+        its L1/L2 events are in that snapshot and are skipped, but its L3 events are not (the
+        snapshot holds no L3) and are applied. Returns False if a gap was detected (``seq`` >
+        last+1); the batch is still applied and the caller should resynchronise from a
+        snapshot."""
         with self._lock:
             last = self._last_seq.get(worker_id)
             if last is not None and seq <= last:
+                for ev in batch.events:
+                    if getattr(ev, "medium", None) == MEDIUM_L3:
+                        self._apply(worker_id, ev)
                 return True
             self._last_seq[worker_id] = seq
             self._apply_events(worker_id, batch.events)

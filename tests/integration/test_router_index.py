@@ -38,6 +38,17 @@ def test_gap_detected_and_old_batches_ignored():
     assert idx.match([7]).l1 == {"p0": 1} and idx.match([8]).l1 == {}
 
 
+def test_l3_events_older_than_an_l1_l2_snapshot_are_kept():
+    """The snapshot (``/kv_snapshot``) holds L1/L2 only: a batch it overtook still brings its
+    L3 announcements and removals, in the worker's order."""
+    idx = PrefixIndex()
+    idx.replace_worker("p0", l1=[7], l2=[], seq=5)
+    idx.apply_batch("p0", 4, KVEventBatch(ts=0, events=[_stored([8], MEDIUM_L1), _stored([8, 9], MEDIUM_L3),
+                                                         _stored([10], MEDIUM_L3)]))
+    idx.apply_batch("p0", 5, KVEventBatch(ts=0, events=[BlockRemoved(block_hashes=[10], medium=MEDIUM_L3)]))
+    assert idx.match([8]).l1 == {} and idx.match([8, 9]).l3 == 2 and idx.match([10]).l3 == 0
+
+
 def test_drop_worker_keeps_l3():
     idx = PrefixIndex()
     idx.apply_batch("p0", 0, KVEventBatch(ts=0, events=[_stored([1], MEDIUM_L1), _stored([1], MEDIUM_L3)]))

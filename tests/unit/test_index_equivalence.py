@@ -107,10 +107,12 @@ class RefIndex:
         self.pending: OrderedDict[int, float] = OrderedDict()
 
     def apply_batch(self, w: str, seq: int, events: list) -> None:
-        if w in self.last_seq and seq <= self.last_seq[w]:
-            return
-        self.last_seq[w] = seq
+        stale = w in self.last_seq and seq <= self.last_seq[w]  # older than an L1/L2 snapshot: L3 only
+        if not stale:
+            self.last_seq[w] = seq
         for ev in events:
+            if stale and getattr(ev, "medium", None) != MEDIUM_L3:
+                continue
             if isinstance(ev, AllBlocksCleared):
                 self.l1.setdefault(w, set()).clear()
                 self.l2.setdefault(w, set()).clear()
