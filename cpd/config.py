@@ -144,8 +144,9 @@ class RouterSection(Section):
     cold_threshold: float = Field(0.5, ge=0.0, le=1.0, description="static routing: reuse ratio below which a "
                                                                    "request is cold")
     routing_mode: Literal["static", "adaptive"] = Field(
-        "static", description="static: reuse ratio -> fixed pool; adaptive: per-worker remaining-work estimates, "
-                              "spill-over, decode-local append, read-after-write (cpd.policy.routing)")
+        "adaptive", description="adaptive (default): per-worker remaining-work estimates, spill-over, "
+                                "decode-local append, read-after-write (cpd.policy.routing); static: the "
+                                "published rule, reuse ratio -> fixed pool")
     write_through: Optional[Literal["none", "cold", "all"]] = Field(
         None, description="which prefills write their blocks through to L3: none, cold, all (unset = the "
                           "default: pd -> none, cpd static -> cold, cpd adaptive -> all; pd + all is the pd-l3 "

@@ -27,12 +27,17 @@ def start(model_dir: str, topology: str = "cpd", kv_store: str = "", **kw) -> De
     torch thread, a free router port, no supervision unless asked). Keywords: :data:`START_KEYS`,
     plus ``extra_env``, ``worker_extra_args``, ``internal_secret`` (given to every child as
     ``$CPD_INTERNAL_SECRET``) and ``settings`` (any other keys, dotted: ``{"router.routing_mode":
-    "adaptive"}``)."""
+    "adaptive"}``).
+
+    Routing is pinned to ``static`` here (the product's default is ``adaptive``): the tests that
+    use this helper check paths through the static pools (cold on pre-prefill, warm on prefill);
+    the adaptive tests pass ``settings={"router.routing_mode": "adaptive"}``."""
     settings = {"topology": topology, "kv_store": kv_store, "num_blocks": 256, "host_kv_bytes": 16 << 20,
                 "torch_threads": 1, "supervise": False}
     settings.update({k: kw.pop(k) for k in list(kw) if k in START_KEYS})
     overrides = {START_KEYS[k]: v for k, v in settings.items()}
-    overrides.update({"model.dir": str(model_dir), "router.port": 0, **kw.pop("settings", {})})
+    overrides.update({"model.dir": str(model_dir), "router.port": 0, "router.routing_mode": "static",
+                      **kw.pop("settings", {})})
     extra_env = dict(kw.pop("extra_env", {}))
     if kw.get("internal_secret"):
         extra_env["CPD_INTERNAL_SECRET"] = kw.pop("internal_secret")

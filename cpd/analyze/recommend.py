@@ -287,10 +287,11 @@ def choose(configs: Mapping[str, Mapping[str, Any]]) -> Choice:
 def serve_flags(config: str, pools: Mapping[str, int], ttft_slo_s: float, tpot_slo_s: float) -> list[str]:
     """The ``cpd serve`` flags of ``config`` (:data:`CONFIG_ORDER`) with ``pools`` workers per role
     (``pre-prefill``, ``prefill``, ``decode``); ``pd`` configurations put every prefill-side
-    worker in the prefill pool."""
+    worker in the prefill pool and route statically, as the simulated ``pd`` baselines do (the
+    live default routing mode is adaptive)."""
     side = pools["pre-prefill"] + pools["prefill"]
     if config in ("pd", "pd-l3"):
-        f = ["--topology", "pd", "--prefill", str(side), "--decode", str(pools["decode"])]
+        f = ["--topology", "pd", "--prefill", str(side), "--decode", str(pools["decode"]), "--routing-mode", "static"]
         return f + (["--write-through", "all"] if config == "pd-l3" else [])
     if config not in ("cpd-static", "cpd", ELASTIC):
         raise ValueError(f"unknown configuration {config!r} (known: {', '.join(CONFIG_ORDER)})")

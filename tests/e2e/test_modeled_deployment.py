@@ -20,7 +20,11 @@ MODELED = {"engine.executor": "modeled", "engine.hardware": "b200", "engine.mode
 
 
 def _modeled(model_dir: str, **overrides) -> Deployment:
-    o = {**MODELED, "model.dir": model_dir, "router.port": 0, "deployment.supervise": False, **overrides}
+    """Static routing: the same request sequence then takes the same path on every run (adaptive
+    routing follows measured times, so its worker choice, and the per-worker block accounting
+    this test compares across runs, may differ)."""
+    o = {**MODELED, "model.dir": model_dir, "router.port": 0, "deployment.supervise": False,
+         "router.routing_mode": "static", **overrides}
     return Deployment(build_config(overrides=o))  # started by `with`
 
 

@@ -63,6 +63,7 @@ def _live(reqs, model_dir: str, vocab: int) -> list[dict]:
          "engine.hardware": GPU, "engine.model_shape": SHAPE, "engine.tp": TP, "engine.time_dilation": K,
          "engine.block_size": BS, "engine.num_blocks": L1_BLOCKS, "kv.host_kv_bytes": L2_BYTES,
          "kv.l3_capacity_bytes": 0, "handoff.arena_bytes": 16 << 20,
+         "router.routing_mode": "static",  # as the simulated side's RoutingConfig
          **{f"engine.{k}": v for k, v in SCHED.items()}}
     cache: dict = {}
     ids: list[str | None] = [None] * len(reqs)

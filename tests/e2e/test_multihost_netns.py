@@ -100,7 +100,9 @@ class Cluster:
     def start_router(self) -> None:
         """``cpd router`` as a user runs it: no worker list and no KV namespace in its config; it
         learns the namespace from one worker (--served-from) and the workers register."""
-        cfg = {"model": self.base["model"], "router": {"timeouts": TIMEOUTS}}
+        # static routing: the test checks that the cold request runs on host a and the warm one
+        # on host b, which are the static pools
+        cfg = {"model": self.base["model"], "router": {"timeouts": TIMEOUTS, "routing_mode": "static"}}
         (self.tmp / "router.json").write_text(json.dumps(cfg))
         self.procs["router"] = self.lab.spawn(
             "rt", ["python", "-m", "cpd.cli", "router", "--config", str(self.tmp / "router.json"),
