@@ -6,9 +6,10 @@ Three cases per prompt length, interleaved:
 
 * ``cold``: a prompt never seen before (every block is hashed);
 * ``grown``: a session's next turn (the previous prompt + 256 new tokens), whose head is warm
-  in the index (p0 holds its first half in L1 and the next quarter in L2). The C hash path
-  hashes it whole; the pure-Python path takes its already hashed prefix from the hash cache
-  (``cpd.kv.block_hash``);
+  in the index (p0 holds its first half in L1 and the next quarter in L2). Both hash paths
+  take the already hashed prefix from their cache (``cpd.kv.block_hash``: the C path's prefix
+  cache, the pure-Python path's group LRU) and hash the rest; ``--no-prefix-cache`` makes the
+  C path hash it whole (the "before" of the prefix cache);
 * ``grown_l3``: another session's next turn whose previous prompt is in the shared L3 store
   only (written through in 16-block chunks), in no worker's L1/L2.
 
@@ -17,12 +18,15 @@ a decision (on a shared machine the wall clock also counts waiting for a core).
 ``--breakdown`` also times the three parts of a cold and of a grown decision separately
 (hashing, index match, policy), interleaved with the whole decisions, and the hashing cost
 per block (token-list conversion included). ``hash_path`` in the JSON says whether the C extension
-(``cpd.kv._chain_sha256``) or the pure-Python loop hashed.
+(``cpd.kv._chain_sha256``) or the pure-Python loop hashed, ``index_walk`` whether the index's
+prefix walk ran in C (``cpd.router._mask_walk``) or numpy, ``prefix_cache`` the C path's
+prefix-cache counters.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_router.py [--lengths 2048,32768,131072] [--reps 30]
-        [--indexed-blocks 1000000] [--breakdown] [--hash-micro] [--pure-python] [--json out.json]
+        [--indexed-blocks 1000000] [--breakdown] [--hash-micro] [--pure-python] [--no-prefix-cache]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from cpd.kv import block_hash
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.kv.events import MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, BlockStored, KVEventBatch
 from cpd.policy.routing import LinearCostModel, RoutingConfig, WorkerLoad, route
+from cpd.router import mask_table
 from cpd.router.index import PrefixIndex
 
 HASH_PATH = "C extension" if block_hash._chain_native is not None else "pure Python"
@@ -105,7 +110,11 @@ def main() -> None:
                     help="also time the hashing pieces alone (Python vs C chain, list -> bytes conversions)")
     ap.add_argument("--pure-python", action="store_true",
                     help="hash with the pure-Python loop even where the C extension is built (the 'before')")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="the C hash path hashes every prompt whole (no prefix cache)")
     a = ap.parse_args()
+    if a.no_prefix_cache:
+        block_hash.PREFIX_CACHE = False
     global HASH_PATH
     if a.pure_python:
         block_hash._chain_native = block_hash._u32le_native = None
@@ -178,7 +187,12 @@ def main() -> None:
     micro = hash_micro([int(x) for x in a.lengths.split(",")], 15, rng) if a.hash_micro else None
     if a.json:
         with open(a.json, "w") as f:
+            walk = "C extension" if mask_table._walk_native is not None else "numpy"
+            cache = block_hash._PREFIXES
             json.dump({"router_decision": out, "hash_micro_ms": micro, "indexed_blocks": idx.sizes(), "hash_path": HASH_PATH,
+                       "index_walk": walk, "prefix_cache": {"on": block_hash.PREFIX_CACHE, "hits": cache.hits,
+                                                            "misses": cache.misses, "entries": len(cache),
+                                                            "bytes": cache.nbytes},
                        "loadavg_start": load0, "loadavg_end": os.getloadavg()}, f, indent=1)
 
 

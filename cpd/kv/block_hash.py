@@ -17,7 +17,9 @@ with SHA-256 over canonical bytes instead of pickle.
 Speed (issue 13): the tokens are turned into one contiguous ``u32le`` buffer and the chain
 runs over it. Where the optional C extension ``cpd/kv/_chain_sha256.c`` is built (by ``pip
 install``, given a C compiler and the OpenSSL headers) the packing and the whole chain are
-one C call each over OpenSSL's SHA-256 (≈ 0.14 µs per 16-token block with SHA-NI).
+one C call each over OpenSSL's SHA-256 (≈ 0.14 µs per 16-token block with SHA-NI), and a
+prompt that continues one hashed recently (a session's next turn) hashes only the blocks past
+the cached prefix (:class:`_PrefixCache`: bounded, keyed by parent, verified byte for byte).
 Otherwise each block costs one ``hashlib.sha256`` call (≈ 0.85 µs), and runs of blocks
 already hashed after the same parent (a session's growing prompt) are reused from a bounded
 LRU keyed by their exact bytes. Both paths give the same bytes. The definition above is unchanged (the pinned vectors still hold). SHA-256 stays the
@@ -98,10 +100,12 @@ def hash_blocks(token_ids: Sequence[int], namespace: Namespace, parent_hash: int
     """Chained hashes of every *full* block of ``token_ids``.
 
     Computed over the tokens' contiguous ``u32le`` bytes, one SHA-256 call per block: in C
-    when the extension is built, else in Python, where runs of :data:`GROUP_BLOCKS` blocks
-    already hashed after the same parent (a session's prompt that grows) come from a bounded
-    LRU keyed by the exact bytes (parent hash + tokens), so a hit is exact, never a hash
-    collision.
+    when the extension is built, where a prompt continuing a recently hashed one (a session's
+    prompt that grows) takes that one's digests up to its last multiple of
+    :data:`CHECKPOINT_BLOCKS` blocks from :class:`_PrefixCache`; else in Python, where runs of
+    :data:`GROUP_BLOCKS` blocks already hashed after the same parent come from a bounded LRU.
+    Both caches compare the exact bytes (parent hash + tokens), so a hit is exact, never a
+    hash collision.
 
     Args:
         token_ids: prompt token ids, length n (a list, or any integer array).
@@ -133,7 +137,8 @@ def hash_blocks_u32le(data: bytes | memoryview, namespace: Namespace, parent_has
         return []
     parent = (_root(namespace) if parent_hash is None else parent_hash).to_bytes(8, "big")
     if _chain_native is not None:
-        out = _chain_native(parent, data, 0, n * step, step)
+        out = (_PREFIXES.chain(parent, data, n, step, _chain_native) if PREFIX_CACHE
+               else _chain_native(parent, data, 0, n * step, step))
     else:
         out = _chain_grouped(parent, data, n * step, step)
     hashes: list[int] = np.frombuffer(out, dtype=">u8").tolist()
@@ -143,8 +148,8 @@ def hash_blocks_u32le(data: bytes | memoryview, namespace: Namespace, parent_has
 def _chain_grouped(parent: bytes, buf: bytes | memoryview, end: int, step: int) -> bytes:
     """The pure-Python path: :func:`_chain_py` over runs of :data:`GROUP_BLOCKS` blocks of
     ``buf[:end]``, each run looked up first in the :data:`_GROUPS` LRU (keyed by the parent's
-    8 bytes + the run's bytes). The C path does not use the LRU: its loop over a whole
-    prompt costs less than the lookups."""
+    8 bytes + the run's bytes). The C path does not use this LRU (its loop over a whole
+    prompt costs less than the lookups) but :class:`_PrefixCache`."""
     h = parent
     out = bytearray()
     group = GROUP_BLOCKS * step
@@ -162,6 +167,110 @@ def _chain_grouped(parent: bytes, buf: bytes | memoryview, end: int, step: int) 
 
 GROUP_BLOCKS = 32
 """Blocks per cached run (the reuse granularity of the pure-Python path)."""
+
+CHECKPOINT_BLOCKS = 32
+"""The C path's prefix cache keeps a prompt's hashes up to a multiple of this many blocks."""
+
+
+class _PrefixCache:
+    """The C path's cache of already hashed prompts, so that a session's next turn (its
+    previous prompt + new tokens) hashes only its new blocks (issue 13 item 5).
+
+    Rules:
+
+    * An entry holds a hashed prompt's u32le tokens (the ``bytes`` object hashed, not a copy;
+      a mutable buffer is copied first), the parent its chain started from, and its digests;
+      it serves its first ``c`` blocks, ``c`` the largest multiple of :data:`CHECKPOINT_BLOCKS`
+      it has. Prompts shorter than that are not cached (hashing them costs < 4 µs).
+    * It is keyed by (parent, step, ``c``, the bytes of block ``c - 1``), and served for a
+      prompt only when that prompt's first ``c`` blocks are byte for byte the entry's (a
+      ``memcmp``) and its parent is the entry's: a hit gives exactly the digests a recompute
+      gives, whatever the key matched. The parent is the namespace root (or the caller's
+      ``parent_hash``), so a tenant (a ``cache_salt``) is only ever served its own chains.
+    * A prompt takes the longest entry found at its checkpoints, largest first; at most
+      :data:`PREFIX_MAX_TRIES` candidates that fail the comparison are tried, then it is
+      hashed whole.
+    * A prompt that reaches a checkpoint past the entry it was served from is kept as a new
+      entry; the shorter one stays (other prompts may share that head: several questions on one
+      long document, a regenerated turn).
+    * Bounded: at most ``max_entries`` entries and ``max_bytes`` bytes of tokens and digests
+      (least recently used go first; an entry that serves a prompt becomes the most recent).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._d: OrderedDict[tuple[bytes, int, int, bytes], tuple[bytes, bytes, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self.nbytes = 0
+
+    def chain(self, parent: bytes, data: bytes | memoryview, n: int, step: int, chain_fn: _ChainFn) -> bytes:
+        """The digests of ``n`` blocks of ``data`` chained from ``parent`` (``chain_fn``, the C
+        ``chain``, hashes what the cache does not hold)."""
+        g = CHECKPOINT_BLOCKS
+        if n < g:
+            return chain_fn(parent, data, 0, n * step, step)
+        if not isinstance(data, bytes):
+            data = bytes(data)  # what the cache keeps and compares must not change
+        c, head = self._longest(parent, data, n, step)
+        if c == n:
+            return head[:8 * n]
+        tail = chain_fn(head[8 * c - 8:8 * c] if c else parent, data, c * step, n * step, step)
+        out = head[:8 * c] + tail if c else tail
+        top = n // g * g
+        if top > c:
+            self._put(parent, data, top, step, out)
+        return out
+
+    def _longest(self, parent: bytes, data: bytes, n: int, step: int) -> tuple[int, bytes]:
+        """(blocks served, the digests of an entry covering them) for the longest verified entry
+        at ``data``'s checkpoints, or ``(0, b"")``."""
+        g, tries = CHECKPOINT_BLOCKS, 0
+        mv = memoryview(data)
+        with self._lock:
+            for c in range(n // g * g, 0, -g):
+                key = (parent, step, c, bytes(mv[(c - 1) * step:c * step]))
+                e = self._d.get(key)
+                if e is None:
+                    continue
+                e_parent, e_data, e_digests = e
+                if e_parent == parent and data.startswith(memoryview(e_data)[:c * step]):
+                    self._d.move_to_end(key)
+                    self.hits += 1
+                    return c, e_digests
+                tries += 1
+                if tries >= PREFIX_MAX_TRIES:
+                    break
+            self.misses += 1
+        return 0, b""
+
+    def _put(self, parent: bytes, data: bytes, c: int, step: int, digests: bytes) -> None:
+        """Keep ``data``'s first ``c`` blocks (``digests`` covers them)."""
+        mv = memoryview(data)
+        key = (parent, step, c, bytes(mv[(c - 1) * step:c * step]))
+        with self._lock:
+            prev = self._d.pop(key, None)
+            if prev is not None:
+                self.nbytes -= len(prev[1]) + len(prev[2])
+            self._d[key] = (parent, data, digests)
+            self.nbytes += len(data) + len(digests)
+            while self._d and (len(self._d) > self.max_entries or self.nbytes > self.max_bytes):
+                _, (_, d, h) = self._d.popitem(last=False)
+                self.nbytes -= len(d) + len(h)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self.hits = self.misses = 0
+            self.nbytes = 0
+
+
+PREFIX_MAX_TRIES = 4
+"""Candidates failing the byte comparison before a prompt is hashed whole."""
 
 
 def _chain_py(parent: bytes, buf: bytes | memoryview, g0: int, g1: int, step: int) -> bytes:
@@ -266,6 +375,11 @@ class _LRU:
 
 _GROUPS = _LRU(max_entries=8192, max_bytes=64 << 20)
 """≤ 8192 runs (≈ 19 MiB at block_size 16) and ≤ 64 MiB in all (≈ 1000 runs at block_size 512)."""
+PREFIX_CACHE = True
+"""Whether the C path uses :data:`_PREFIXES` (off: every prompt is hashed whole; for benchmarks)."""
+_PREFIXES = _PrefixCache(max_entries=4096, max_bytes=64 << 20)
+"""≤ 4096 prompts and ≤ 64 MiB of their tokens and digests (72 bytes per 16-token block: e.g.
+≈ 110 prompts of 128K tokens, ≈ 450 of 32K)."""
 _ROOTS: dict[Namespace, int] = {}
 
 

@@ -274,15 +274,22 @@ class PrefixIndex:
 
     def _local_runs(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
         """worker id → (end of its L1 run from block 0, end of the L2 run continuing it).
-        One walk per plane of workers (:func:`_walk`)."""
+        One walk per plane of workers: :meth:`MaskTable.runs` (C) where it answers, else
+        :func:`_walk`."""
         groups: dict[int, int] = {}  # plane -> its workers' local bits
         for bit in self._bits.values():
             p, local = _plane_bit(bit)
             groups[p] = groups.get(p, 0) | local
-        q = _Query(block_hashes)
+        q: _Query | None = None
         ends: dict[int, tuple[int, int]] = {}
         for p, group in groups.items():
-            for local, e in _walk(self._tiers.plane(p), q, group).items():
+            table = self._tiers.plane(p)
+            runs = table.runs(block_hashes, group)
+            if runs is None:
+                if q is None:
+                    q = _Query(block_hashes)
+                runs = _walk(table, q, group)
+            for local, e in runs.items():
                 ends[local << (PLANE_BITS * p)] = e
         return {w: ends[bit] for w, bit in self._bits.items() if ends.get(bit, (0, 0))[1]}
 

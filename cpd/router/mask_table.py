@@ -37,13 +37,18 @@ them against plain dicts):
 * Batches of at most :data:`SCALAR_MAX` keys are applied key by key in Python through a
   memoryview of the array (no per-call numpy overhead); larger ones are vectorised. Both
   paths give the same contents.
+* :meth:`MaskTable.runs` (a prompt's leading runs, what the router's match needs) is one C
+  call where the optional extension ``cpd/router/_mask_walk.c`` is built: a probe per block
+  straight from the list of block hashes, stopping where no run continues. It returns None
+  where the extension is missing or the keys are not a list/tuple of ints in ``[0, 2**64)``;
+  the caller then walks with :meth:`lookup` (same answers, ``tests/unit/test_mask_walk.py``).
 
 Not thread-safe: the owner (:class:`cpd.router.index.PrefixIndex`) serialises calls.
 """
 from __future__ import annotations
 
 import secrets
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +68,18 @@ GROWTH = 4  # a rebuilt array has the smallest power of two >= GROWTH x live key
 _TOMB = np.uint64(TOMB)
 _LOW = np.uint64(LOW)
 _ZERO = np.uint64(0)
+
+
+def _load_walk() -> Callable[[U64, int, int, Sequence[int], int], dict[int, tuple[int, int]] | None] | None:
+    """The C extension's ``walk`` (``cpd/router/_mask_walk.c``), or None where it is not built."""
+    try:
+        from cpd.router import _mask_walk
+    except ImportError:
+        return None
+    return _mask_walk.walk
+
+
+_walk_native = _load_walk()
 
 
 def as_u64(keys: Sequence[int] | np.ndarray) -> U64 | None:
@@ -117,6 +134,16 @@ class MaskTable:
             return tuple(self._odd.get(k, (0,) * self.tiers))
         s = self._probe(k)[0]
         return tuple(self._buf[self._w * s + 1 + t] for t in range(self.tiers)) if s >= 0 else (0,) * self.tiers
+
+    def runs(self, keys: Sequence[int], group: int) -> dict[int, tuple[int, int]] | None:
+        """For each local worker bit of ``group``: (end of its run of consecutive keys from
+        ``keys[0]`` held in L1, end of the run continuing it in L2 from there), in C; None where
+        the extension is not built or ``keys`` is not a list/tuple of ints in ``[0, 2**64)``
+        (then walk with :meth:`lookup`). Keys outside that range never live in the array, so
+        the side dict plays no part here."""
+        if _walk_native is None:
+            return None
+        return _walk_native(self._tab, self._salt, self._shift, keys, group)
 
     def lookup(self, keys: U64) -> U64:
         """Masks of ``keys``, shape ``(len(keys), tiers)`` (0: absent), vectorised: each round
