@@ -112,6 +112,26 @@ def test_short_work_spills_to_an_idle_pre_prefill_worker_when_it_finishes_clearl
     assert queued.request_class == RequestClass.WARM and queued.write_through
 
 
+def test_short_work_pays_the_spill_margin_only_while_home_meets_the_slo():
+    """The margin keeps short work home only while that costs no SLO: with the prefill pool's best
+    at 2.42 s (SLO 2 s), a pre-prefill worker at 1.92 s (within the 25 % margin) takes it; at
+    1.57 s home vs 1.27 s (home meets the SLO) the hysteresis holds. Heavy work keeps the margin:
+    its spill would delay the prefill pool's short work."""
+    miss = route(SHORT_TOKENS, _short_match(), _cluster(pp=(1.85,), p=(2.35, 2.35)), CFG, COST)
+    c = _by_id(miss)
+    assert c["p0"].ttft_s > CFG.ttft_slo_s and (1 - CFG.spill_margin) * c["p0"].ttft_s < c["pp0"].ttft_s < c["p0"].ttft_s
+    assert (miss.pool, miss.prefill_worker, miss.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
+    assert miss.estimated_ttft_s == pytest.approx(c["pp0"].ttft_s)
+    meets = route(SHORT_TOKENS, _short_match(), _cluster(pp=(1.2,), p=(1.5, 1.5)), CFG, COST)
+    c = _by_id(meets)
+    assert c["p0"].ttft_s <= CFG.ttft_slo_s and (1 - CFG.spill_margin) * c["p0"].ttft_s < c["pp0"].ttft_s
+    assert (meets.pool, meets.reason) == (Role.PREFILL, DecisionReason.HOME)
+    heavy = route(SPILLABLE, PrefixMatch(), _cluster(pp=(1.2,), p=(0.8,)), CFG, COST)  # 2.4 s home vs 2.0 s
+    c = _by_id(heavy)
+    assert c["pp0"].ttft_s > CFG.ttft_slo_s and (1 - CFG.spill_margin) * c["pp0"].ttft_s < c["p0"].ttft_s
+    assert (heavy.request_class, heavy.pool, heavy.reason) == (RequestClass.COLD, Role.PRE_PREFILL, DecisionReason.HOME)
+
+
 def test_heavy_work_stays_home_while_it_meets_the_slo():
     d = route(SPILLABLE, PrefixMatch(), _cluster(pp=(0.7,), p=(0.0, 0.0)), CFG, COST)  # 1.9 s at home vs 1.2 s
     assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME
@@ -140,11 +160,13 @@ def test_spill_needs_more_than_the_margin_and_heavy_work_a_missed_slo(home_q, ot
     c = _by_id(d)
     spilled = d.reason in (DecisionReason.SPILL_COLD, DecisionReason.SPILL_WARM)
     assert spilled == (d.pool == other)
+    # short work whose home misses the SLO spills for any gain (rule A3), else for more than the margin
+    margin = 0.0 if (not heavy and c["h"].ttft_s > CFG.ttft_slo_s) else CFG.spill_margin
     if spilled:
         assert c["h"].ttft_s > CFG.ttft_slo_s or not heavy
-        assert d.estimated_ttft_s < (1 - CFG.spill_margin) * c["h"].ttft_s
+        assert d.estimated_ttft_s < (1 - margin) * c["h"].ttft_s
     elif not heavy:
-        assert c["o"].ttft_s >= (1 - CFG.spill_margin) * c["h"].ttft_s
+        assert c["o"].ttft_s >= (1 - margin) * c["h"].ttft_s
 
 
 @settings(max_examples=200, deadline=None)
