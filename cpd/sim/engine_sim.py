@@ -6,8 +6,9 @@ arithmetic) with a :class:`~cpd.engine.executor_modeled.ModeledExecutor` on a
 :class:`VirtualClock`: an engine step runs at once, the waits it asks for (step time,
 L2/L3/handoff transfers) are summed, and its outputs are delivered that much later on the
 virtual clock. The router side is the live one too: the request's block hashes
-(:func:`cpd.kv.block_hash.hash_blocks`), the router's :class:`cpd.router.index.PrefixIndex`
-fed with each engine's real KV events ``kv_event_delay_s`` after the step that produced them,
+(:func:`cpd.kv.block_hash.hash_blocks`, from the ids' u32le bytes), the router's
+:class:`cpd.router.index.PrefixIndex` fed with each engine's real KV events ``kv_event_delay_s``
+after the step that produced them,
 the live :func:`cpd.policy.routing.route`, and the live dispatch's load accounting
 (queued prefill tokens and ``queued_prefill_s`` added at dispatch, removed when the first
 token returns). L3 is the real in-memory store (``mem://``, :mod:`cpd.store.mem_store`) behind
@@ -28,7 +29,7 @@ import numpy as np
 from cpd.engine.engine import Engine, EngineRequest, SamplingParams
 from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
 from cpd.engine.scheduler import SchedulerConfig, blocks_for
-from cpd.kv.block_hash import hash_blocks
+from cpd.kv.block_hash import hash_blocks_u32le
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
 from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route, work_s
@@ -57,9 +58,9 @@ class VirtualClock:
         return s
 
 
-def blocks_tokens(block_ids: Sequence[int], block_size: int, vocab_size: int = VOCAB) -> list[list[int]]:
-    """The deterministic token ids of trace blocks, one list per block id: splitmix64 of
-    ``(block_id, position)`` in ``[1, vocab_size)`` (a different run per block id)."""
+def _token_rows(block_ids: Sequence[int], block_size: int, vocab_size: int = VOCAB) -> np.ndarray:
+    """The token ids of trace blocks as a ``(len(block_ids), block_size)`` uint64 array: splitmix64
+    of ``(block_id, position)`` in ``[1, vocab_size)`` (a different run per block id)."""
     ids = np.array([b & 0xFFFFFFFFFFFFFFFF for b in block_ids], dtype=np.uint64).reshape(-1, 1)
     with np.errstate(over="ignore"):
         x = ids * np.uint64(0x9E3779B97F4A7C15) \
@@ -67,7 +68,14 @@ def blocks_tokens(block_ids: Sequence[int], block_size: int, vocab_size: int = V
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
-    out: list[list[int]] = (1 + x % np.uint64(vocab_size - 1)).tolist()
+    out: np.ndarray = 1 + x % np.uint64(vocab_size - 1)
+    return out
+
+
+def blocks_tokens(block_ids: Sequence[int], block_size: int, vocab_size: int = VOCAB) -> list[list[int]]:
+    """The deterministic token ids of trace blocks, one list per block id: splitmix64 of
+    ``(block_id, position)`` in ``[1, vocab_size)`` (a different run per block id)."""
+    out: list[list[int]] = _token_rows(block_ids, block_size, vocab_size).tolist()
     return out
 
 
@@ -89,6 +97,16 @@ def request_tokens(r: SimRequest, block_size: int, cache: dict[int, list[int]], 
         toks.extend(cache[b])
     del toks[r.prompt_tokens:]
     return toks
+
+
+def prompt_u32(blocks: Sequence[int], num_tokens: int, block_size: int, vocab_size: int = VOCAB) -> np.ndarray:
+    """The first ``num_tokens`` token ids of the blocks ``blocks`` (the prompt of
+    :func:`request_tokens`) as one little-endian uint32 array: computed afresh (a few ms for a
+    100 K-token prompt) instead of kept per block id, and hashed from its bytes
+    (:func:`cpd.kv.block_hash.hash_blocks_u32le`, the same hashes as ``hash_blocks`` of the
+    ids)."""
+    rows = _token_rows(blocks[:blocks_for(num_tokens, block_size)], block_size, vocab_size)
+    return rows.reshape(-1)[:num_tokens].astype("<u4")
 
 
 @dataclass(frozen=True)
@@ -173,8 +191,6 @@ class EngineSimulator:
         else:
             self.reqs = sorted(requests, key=lambda r: r.arrival_s)
         self.rec: list[dict[str, Any] | None] = [None] * len(self.reqs)
-        self._tokens: dict[int, list[int]] = {}
-        self._uses = self._block_uses()
         self._parked: dict[int, list[int]] = {}
         self.events_run = 0
         self.rejected = 0
@@ -192,55 +208,37 @@ class EngineSimulator:
         for i, r in enumerate(self.reqs):
             self.at(r.arrival_s, self._arrive, i)
 
-    def _block_uses(self) -> dict[int, int]:
-        """Per block id: how many requests will still build their prompt from it. A block's
-        token list leaves the cache (:attr:`_tokens`) when no request needs it any more (the
-        engines keep their own references), so the cache holds live sessions only; the token
-        ids are a pure function of the block id, so this changes no result."""
-        uses: dict[int, int] = {}
-        for r in self.reqs:
-            for b in set(r.blocks[:blocks_for(r.prompt_tokens, self.bs)]):
-                uses[b] = uses.get(b, 0) + 1
-        return uses
-
-    def _prompt_tokens(self, r: SimRequest) -> list[int]:
-        """The prompt of request ``r`` (:func:`request_tokens`); blocks no later request needs
-        leave the cache."""
-        toks = request_tokens(r, self.bs, self._tokens, self.vocab_size)
-        uses = self._uses
-        for b in set(r.blocks[:blocks_for(r.prompt_tokens, self.bs)]):
-            n = uses.get(b, 0) - 1
-            if n > 0:
-                uses[b] = n
-            else:
-                uses.pop(b, None)
-                self._tokens.pop(b, None)
-        return toks
+    def _prompt(self, r: SimRequest) -> tuple[list[int], list[int]]:
+        """The prompt token ids of request ``r`` (:func:`request_tokens`) and the block hashes of
+        its full blocks (what the live router computes with ``hash_blocks``), both from one
+        :func:`prompt_u32` array: nothing is kept per block id between requests."""
+        ids = prompt_u32(r.blocks, r.prompt_tokens, self.bs, self.vocab_size)
+        toks: list[int] = ids.tolist()
+        return toks, hash_blocks_u32le(ids.tobytes(), self.namespace)
 
     def _prewarm(self, sessions: Sequence[Sequence[int]]) -> None:
         """Sessions that exist before t=0, their events applied to the index at once: with L3,
         their full blocks are written to L3 through a prefill-side engine's connector; without,
         they go to the L2 host pools of the prefill-side engines, round-robin (as if computed
-        there earlier and spilled from L1)."""
+        there earlier and spilled from L1). Their blocks are hashed from the token ids' bytes and
+        their events carry no token ids (the router's index keys blocks by hash only; making the
+        Python ints of every prewarmed token cost seconds and gigabytes)."""
         side = [w for w in self.insts if w.role != DECODE]
         if not side or not sessions:
             return
         lay = side[0].engine.executor.kv_layout
         payload = side[0].engine.arrays.zeros((lay.num_layers, 2, self.bs, lay.num_kv_heads, lay.head_dim))
         writer = next((w.engine.connector for w in side if w.engine.connector is not None), None)
+        no_tokens: list[int] = []
         for k, blocks in enumerate(sessions):
-            toks = request_tokens(SimRequest(0.0, len(blocks) * self.bs, 1, tuple(blocks)), self.bs, self._tokens,
-                                  self.vocab_size)
-            for b in blocks:  # blocks no request needs: their token lists go with this session
-                if b not in self._uses:
-                    self._tokens.pop(b, None)
-            hashes = hash_blocks(toks, self.namespace)
+            ids = prompt_u32(blocks, len(blocks) * self.bs, self.bs, self.vocab_size)
+            hashes = hash_blocks_u32le(ids.tobytes(), self.namespace)
             if writer is not None:
-                writer.save(hashes, None, toks, [payload] * len(hashes))
+                writer.save(hashes, None, no_tokens, [payload] * len(hashes))
                 continue
             hp = side[k % len(side)].engine.host_pool
             for j, h in enumerate(hashes):
-                hp.put(h, hashes[j - 1] if j else None, toks[j * self.bs:(j + 1) * self.bs], payload)
+                hp.put(h, hashes[j - 1] if j else None, no_tokens, payload)
         for w in side:
             if w.batches:
                 w.seq += 1
@@ -322,8 +320,7 @@ class EngineSimulator:
         if not released and self._park(i):
             return
         r = self.reqs[i]
-        toks = self._prompt_tokens(r)
-        hashes = hash_blocks(toks, self.namespace)
+        toks, hashes = self._prompt(r)
         match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs, now_s=now)
         try:
             d = route(len(toks), match, self._loads(), self.c.routing, self._router_cost())
