@@ -47,6 +47,14 @@ def parse_desc(desc: str) -> tuple[np.dtype, tuple[int, ...]]:
     return np.dtype(dt), shape
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed_desc(desc: bytes) -> tuple[np.dtype, tuple[int, ...], int]:
+    """``(dtype, shape, bytes of one block)`` of a header's desc bytes (:func:`parse_desc`; a
+    store holds a handful of distinct descs, and a read decodes one per block)."""
+    dtype, shape = parse_desc(desc.decode())
+    return dtype, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
 def infer_block_size(block: np.ndarray) -> int:
     """Tokens per block from the engine layout ``[L, 2, block_size, H, D]``; 0 if not 5-D."""
     return int(block.shape[2]) if block.ndim == 5 else 0
@@ -129,10 +137,10 @@ def decode_value(buf, expect_last: int | None = None, expect_n: int | None = Non
     if xxhash.xxh3_64_intdigest(mv[:total - 8]) != want:
         raise CorruptValue("checksum mismatch")
     try:
-        dtype, shape = parse_desc(bytes(mv[_HDR.size:_HDR.size + dlen]).decode())
+        dtype, shape, nbytes = _parsed_desc(bytes(mv[_HDR.size:_HDR.size + dlen]))
     except (ValueError, TypeError, UnicodeDecodeError) as e:
         raise CorruptValue(f"bad desc: {e}") from None
-    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != bnb:
+    if nbytes != bnb:
         raise CorruptValue("desc does not match block size")
     hashes = list(struct.unpack_from(f"<{n}Q", mv, _HDR.size + dlen))
     if expect_last is not None and hashes[-1] != expect_last:
