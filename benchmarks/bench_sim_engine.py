@@ -1,5 +1,7 @@
 """Speed of the engine-object simulator on one reference point (one process): simulated seconds
-per wall second, events, and where the wall time goes (``--profile``: cProfile, top functions).
+per wall second and per CPU second (``time.process_time``: the stable figure on a shared
+machine), peak RSS of the process so far, events, and where the time goes (``--profile``:
+cProfile, top functions by own time).
 
     .venv/bin/python benchmarks/bench_sim_engine.py [--steady-s 30] [--qps-per-gpu 0.8] [--profile] [CONFIG ...]
 """
@@ -9,6 +11,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import resource
 import time
 
 from cpd.sim.experiment import load_experiment, run_point
@@ -26,16 +29,19 @@ def main() -> None:
     exp.update(ramp_s=5, steady_s=a.steady_s, drain_s=10)
     for cfg in a.configs:
         prof = cProfile.Profile() if a.profile else None
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         if prof is not None:
             prof.enable()
         p = run_point(exp, cfg, a.qps_per_gpu, seed=1)
         if prof is not None:
             prof.disable()
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
         print(json.dumps({"config": cfg, "qps_per_gpu": a.qps_per_gpu, "requests": p["requests"],
                           "simulated_s": p["simulated_s"], "wall_s": round(wall, 2),
-                          "sim_s_per_wall_s": round(p["simulated_s"] / wall, 3), "events": p["events"],
+                          "sim_s_per_wall_s": round(p["simulated_s"] / wall, 3), "cpu_s": round(cpu, 2),
+                          "sim_s_per_cpu_s": round(p["simulated_s"] / cpu, 3),
+                          "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                          "events": p["events"],
                           "ttft_s": p["ttft_s"], "goodput": p["goodput"], "busy_fraction": p["busy_fraction"]}),
               flush=True)
         if prof is not None:
