@@ -13,7 +13,8 @@ Per request (docs/architecture.md request flow):
 Adaptive decisions (issue 11) add three paths around these steps:
 
 * Admission: :class:`cpd.policy.routing.Overloaded` → 429 with ``Retry-After`` from the
-  prediction (counted in ``cpd_admission_rejected_total``).
+  prediction (counted in ``cpd_admission_rejected_total``), on a request's first decision only:
+  its retries, re-prefills and an append's fallback are the server's recovery, never refused.
 * Read-after-write: a decision with ``write_through`` announces the blocks it will write to L3
   (:meth:`cpd.router.index.PrefixIndex.add_pending_writes`, predicted visible at the prefill's
   predicted end + ``raw_ready_margin_s``); a decision with ``wait_for_l3_s > 0`` is held until the
@@ -141,26 +142,31 @@ class CPDBackend:
         self.recent = RecentRequests()  # request_id -> routing record (bounded)
 
     def decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str] = frozenset(),
-               allow_append: bool = True, allow_raw: bool = True) -> tuple[RouteDecision, list[BlockHash]]:
+               allow_append: bool = True, allow_raw: bool = True,
+               admit: bool = True) -> tuple[RouteDecision, list[BlockHash]]:
         """Route ``req``; workers in ``excluded`` (failed for this request) are not candidates;
         ``allow_append=False`` rules out a decode-local append (a re-prefill needs a handoff);
         ``allow_raw=False`` rules out a read-after-write hold (retries are dispatched at once, so
-        their plan must count visible blocks only).
+        their plan must count visible blocks only); ``admit=False`` skips SLO-predictive
+        admission (a retry of a request already admitted: the server's recovery, never a 429).
 
         Raises:
             BackendError: 503 without a usable worker, 429 (``Retry-After`` from the prediction)
                 when SLO-predictive admission refuses the request."""
-        d, hashes, _ = self._decide(req, excluded, allow_append, allow_raw)
+        d, hashes, _ = self._decide(req, excluded, allow_append, allow_raw, admit)
         return d, hashes
 
-    def _decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str],
-                allow_append: bool, allow_raw: bool = True) -> tuple[RouteDecision, list[BlockHash], PrefixMatch]:
-        """``allow_raw=False``: no read-after-write (the decision counts visible blocks only)."""
+    def _decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str], allow_append: bool,
+                allow_raw: bool = True, admit: bool = True) -> tuple[RouteDecision, list[BlockHash], PrefixMatch]:
+        """``allow_raw=False``: no read-after-write (the decision counts visible blocks only);
+        ``admit=False``: no admission (rule A6)."""
         hashes = cast(list[BlockHash], hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt)))
         match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
         cfg = self.cfg if allow_append else replace(self.cfg, decode_append_max_tokens=0)
         if not allow_raw:
             cfg = replace(cfg, raw_wait_max_s=0.0)
+        if not admit:
+            cfg = replace(cfg, admission_factor=None)
         try:
             d = route(len(req.prompt_token_ids), match, self._snapshots(set(excluded)), cfg, self.estimates.model())
         except NoWorkerError as e:
@@ -186,7 +192,7 @@ class CPDBackend:
                                                           (len(run.req.prompt_token_ids) - 1) // self.cfg.block_size)
         self.metrics.raw_waits.labels("visible" if visible else "timeout").inc()
         self.metrics.raw_wait_s.observe(run.raw_wait_s)
-        d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True, allow_raw=False)
+        d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True, allow_raw=False, admit=False)
         return d, hashes
 
     async def _wait_for_l3(self, hashes: list[BlockHash], target_blocks: int, bound_s: float,
@@ -375,7 +381,8 @@ class CPDBackend:
             if attempt == 0 and first is not None:
                 d, hashes = first
             else:
-                d, hashes = self.decide(run.req, run.excluded, allow_append=False, allow_raw=False)
+                # a retry, a re-prefill or an append's fallback: the request was admitted already
+                d, hashes = self.decide(run.req, run.excluded, allow_append=False, allow_raw=False, admit=False)
             try:
                 ans = await self._prefill(run, d, hashes, sampling)
             except (httpx.TransportError, asyncio.TimeoutError) as e:
