@@ -72,10 +72,11 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     tolerates an imbalance that grows with the queue: at a 2 s SLO and a 2.4 s home prediction it
     held short work home against a 1.9 s alternative; on the modeled-ordering workload, 10 seeds x
     3, 4.5, 6 QPS, adaptive was below pd-l3 at 14 of 30 points, summed goodput 20.70 vs 21.16;
-    with this rule 21.15, docs/sim_results/adaptive_grid/spill_past_slo/.) Heavy work stays home (``home``) while the home pool's best meets
-    ``ttft_slo_s`` (isolation costs nothing then); past that it spills (``spill-cold``) to a
-    prefill worker that beats the home's best by more than ``spill_margin`` and after which
-    short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
+    with this rule 21.15, docs/sim_results/adaptive_grid/spill_past_slo/.) Heavy work stays home
+    (``home``) while the home pool's best meets ``ttft_slo_s`` (isolation costs nothing then), and
+    keeps the margin (its spill delays the prefill pool's short work); past that it spills
+    (``spill-cold``) to a prefill worker that beats the home's best by more than ``spill_margin``
+    and after which short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
     this request included, ≤ ``ttft_slo_s``). An empty home pool falls back to the other
     (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
