@@ -71,9 +71,9 @@ class BatchMetadata:
             None when no row is padded.
         arena: the step's :class:`~cpd.engine.seq_kv.ArenaStep` (contiguous per-sequence KV
             rows), or None. With it, every token of a sequence that has a row is also written to
-            ``arena_slots`` (flat ``row * capacity + position``; ``arena_tokens``: their flat batch
+            ``arena_index`` (``(row, position)`` per token; ``arena_tokens``: their flat batch
             indices, None = all tokens), prefill chunks with a row read their context from it
-            (``prefill_rows``), and the decode rows attend over ``buf[:, :, :decode_rows_used,
+            (``prefill_rows``), and the decode rows attend over ``buf[:, :, :decode_rows_used, :,
             :decode_len]`` (``decode_rows``: row of each decode row; ``decode_identity``: rows
             are ``0..B-1`` in order) with ``decode_mask`` over that many rows.
         infos / block_size / device: the inputs, for :attr:`seqs`.
@@ -92,7 +92,7 @@ class BatchMetadata:
     block_size: int
     device: torch.device
     arena: ArenaStep | None = None
-    arena_slots: torch.Tensor | None = None
+    arena_index: tuple[torch.Tensor, torch.Tensor] | None = None
     arena_tokens: torch.Tensor | None = None
     prefill_rows: list[int | None] | None = None
     decode_rows: torch.Tensor | None = None
@@ -137,9 +137,9 @@ def build_metadata(infos: Sequence[SeqBatchInfo], block_size: int,
     dec_tables: list[Sequence[int]] = []
     dec_lens: list[int] = []
     dec_rows: list[int] = []
-    ar_slots: list[int] = []
+    ar_rows: list[int] = []
+    ar_pos: list[int] = []
     ar_toks: list[int] = []
-    cap = arena.buf.shape[3] if arena is not None else 0
     q = 0
     for i, info in enumerate(infos):
         p0, n = info.num_prior, info.num_new
@@ -149,7 +149,8 @@ def build_metadata(infos: Sequence[SeqBatchInfo], block_size: int,
         if len(bt) * block_size < total:
             raise ValueError(f"block table of {len(bt)} blocks cannot hold {total} tokens")
         if row is not None:
-            ar_slots.extend(range(row * cap + p0, row * cap + total))
+            ar_rows.extend([row] * n)
+            ar_pos.extend(range(p0, total))
             ar_toks.extend(range(q, q + n))
         if n == 1:
             positions.append(p0)
@@ -175,9 +176,10 @@ def build_metadata(infos: Sequence[SeqBatchInfo], block_size: int,
         last_token_indices=torch.tensor(last, dtype=torch.int64, device=device),
         prefill_seqs=prefill, decode_q=None, decode_all=len(dec_q) == q, decode_blocks=None,
         decode_max_blocks=0, decode_mask=None, infos=list(infos), block_size=block_size, device=device)
-    if arena is not None and ar_slots:
+    if arena is not None and ar_rows:
         meta.arena = arena
-        meta.arena_slots = torch.tensor(ar_slots, dtype=torch.int64, device=device)
+        meta.arena_index = (torch.tensor(ar_rows, dtype=torch.int64, device=device),
+                            torch.tensor(ar_pos, dtype=torch.int64, device=device))
         if len(ar_toks) != q:
             meta.arena_tokens = torch.tensor(ar_toks, dtype=torch.int64, device=device)
         meta.prefill_rows = pre_rows
@@ -265,6 +267,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dt)
 
 
+#: up to this many rows (a decode step's batch) a linear runs as ``w @ x.T``: MKL's sgemm for
+#: ``x @ w.T`` with few rows was 12 – 20 % slower at 8 rows on an AVX2 EPYC (float32, 1 thread;
+#: 8 × 576 by 576 × 49152: 25 vs 20 ms), equal at 1 row
+SMALL_ROWS = 16
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for 2-D ``x``; as ``(w @ x.T).T`` (made contiguous) when ``x`` has at
+    most :data:`SMALL_ROWS` rows (same math, another sgemm path; see :data:`SMALL_ROWS`)."""
+    if x.shape[0] > SMALL_ROWS:
+        return F.linear(x, w, b)
+    y = torch.mm(w, x.t()).t().contiguous()
+    return y if b is None else y + b
+
+
 def _linear(i: int, o: int, bias: bool, device, dtype) -> nn.Linear:
     lin = nn.Linear(i, o, bias=bias, device=device, dtype=dtype)
     lin.requires_grad_(False)
@@ -313,7 +330,7 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         nh, nkv, d = self.nh, self.nkv, self.d
         r = self.input_layernorm(x)
-        qkv = F.linear(r, self._qkv_w, self._qkv_b)  # [T, (nh + 2 nkv) d]
+        qkv = _mm(r, self._qkv_w, self._qkv_b)  # [T, (nh + 2 nkv) d]
         qk = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k together
         q, k = qk[:, :nh], qk[:, nh:]
@@ -324,10 +341,11 @@ class DecoderLayer(nn.Module):
         k_st, v_st = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.index_copy_(0, meta.slot_mapping, k_st)
         v_cache.index_copy_(0, meta.slot_mapping, v_st)
-        if arena_layer is not None and meta.arena_slots is not None:  # mirror into the arena rows
+        if arena_layer is not None and meta.arena_index is not None:  # mirror into the arena rows
             at = meta.arena_tokens
-            arena_layer[0].view(-1, nkv, d).index_copy_(0, meta.arena_slots, k_st if at is None else k_st[at])
-            arena_layer[1].view(-1, nkv, d).index_copy_(0, meta.arena_slots, v_st if at is None else v_st[at])
+            # [rows, H, cap, D] seen as [rows, cap, H, D]: (row, position) -> one token's heads
+            arena_layer[0].transpose(1, 2).index_put_(meta.arena_index, k_st if at is None else k_st[at])
+            arena_layer[1].transpose(1, 2).index_put_(meta.arena_index, v_st if at is None else v_st[at])
         if not batched_decode:
             attn = self._attend_per_seq(q, k_cache, v_cache, meta.seqs)
         elif meta.decode_all:
@@ -339,10 +357,10 @@ class DecoderLayer(nn.Module):
             if meta.decode_q is not None:
                 attn.index_copy_(0, meta.decode_q, self._attend_decode(q.index_select(0, meta.decode_q),
                                                                        kv_layer, meta, arena_layer))
-        x = x + self.o_proj(attn)
+        x = x + _mm(attn, self.o_proj.weight, self.o_proj.bias)
         r = self.post_attention_layernorm(x)
-        gu = F.linear(r, self._gu_w, self._gu_b)
-        x = x + self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
+        gu = _mm(r, self._gu_w, self._gu_b)
+        x = x + _mm(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down_proj.weight, self.down_proj.bias)
         return x
 
     def _attend_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata,
@@ -359,12 +377,12 @@ class DecoderLayer(nn.Module):
             return self._attend_decode_exact(q, kv_layer, meta, arena_layer)
         if meta.decode_rows is not None and arena_layer is not None:
             R, Tm = meta.decode_rows_used, meta.decode_len
-            kv = arena_layer[:, :R, :Tm]  # [2, R, Tm, nkv, d] view
+            kv = arena_layer[:, :R, :, :Tm]  # [2, R, nkv, Tm, d] view (head-major rows)
             qr = q.view(B, self.nh, d)
             if not meta.decode_identity:
                 qr = qr.new_zeros(R, self.nh, d).index_copy_(0, meta.decode_rows, qr)
-            o = F.scaled_dot_product_attention(qr.view(R, self.nh, 1, d), kv[0].transpose(1, 2).to(q.dtype),
-                                               kv[1].transpose(1, 2).to(q.dtype), attn_mask=meta.decode_mask,
+            o = F.scaled_dot_product_attention(qr.view(R, self.nh, 1, d), kv[0].to(q.dtype),
+                                               kv[1].to(q.dtype), attn_mask=meta.decode_mask,
                                                enable_gqa=True).view(R, self.nh * d)
             return o if meta.decode_identity else o.index_select(0, meta.decode_rows)
         if meta.decode_blocks is None:
@@ -390,7 +408,7 @@ class DecoderLayer(nn.Module):
         outs = []
         for i, n in enumerate(meta.decode_lens):
             if meta.decode_rows is not None and arena_layer is not None:
-                kv = arena_layer[:, int(meta.decode_rows[i]), :n]  # [2, n, nkv, d]
+                kv = arena_layer[:, int(meta.decode_rows[i]), :, :n].transpose(1, 2)  # [2, n, nkv, d]
             else:
                 if meta.decode_blocks is None:
                     raise ValueError("batched decode attention needs meta.decode_blocks or arena rows")
@@ -436,7 +454,8 @@ class DecoderLayer(nn.Module):
             if own is not None and n == L:
                 ks, vs = own[0][qs:qs + n], own[1][qs:qs + n]
             elif row is not None and arena_layer is not None:
-                ks, vs = arena_layer[0, row, :L].to(q.dtype), arena_layer[1, row, :L].to(q.dtype)
+                ks, vs = arena_layer[0, row, :, :L].transpose(0, 1), arena_layer[1, row, :, :L].transpose(0, 1)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # [L, nkv, d] views of head-major rows
             else:
                 ks, vs = k_cache.index_select(0, ctx).to(q.dtype), v_cache.index_select(0, ctx).to(q.dtype)
             ki, vi = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, nkv, L, d]
@@ -570,4 +589,4 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()
+        return _mm(x, w).float()

@@ -5,7 +5,10 @@ block of every sequence each step.
 The paged pool (``[L, 2, num_blocks, block_size, H, D]``) stays the source of truth: prefix
 caching, L2/L3, export and the handoff read and write only the pool, and every forward
 still writes each new token's K/V there. The arena is a *mirror*:
-``buf [L, 2, rows, capacity_tokens, H, D]`` (zero-initialised, token-major like the pool).
+``buf [L, 2, rows, H, capacity_tokens, D]`` (zero-initialised, **head-major**: each head's
+tokens are contiguous, the ``[batch, heads, len, d]`` layout the fused attention kernels
+stream; a token-major row made the CPU kernel read every head's cache lines once per head,
+≈ 3× the memory traffic at 3 KV heads).
 
 Rules:
 
@@ -40,7 +43,7 @@ class ArenaStep:
     """What one step reads and writes in the arena (built by :meth:`SeqKVArena.plan`).
 
     Attributes:
-        buf: ``[L, 2, rows_cap, capacity_tokens, H, D]`` storage.
+        buf: ``[L, 2, rows_cap, H, capacity_tokens, D]`` storage (head-major).
         rows: per sequence of the step, its row or None (no row: pool gather / own K/V).
     """
 
@@ -146,7 +149,7 @@ class SeqKVArena:
         cap = self.max_bytes if self.max_bytes is not None else kv.numel() * kv.element_size()
         per_token = L * two * H * D * kv.element_size()
         old = self.buf
-        r0, t0 = (old.shape[2], old.shape[3]) if old is not None else (0, 0)
+        r0, t0 = (old.shape[2], old.shape[4]) if old is not None else (0, 0)
         if need_rows <= r0 and need_tokens <= t0:
             return True
         rows = max(need_rows, r0)
@@ -158,9 +161,9 @@ class SeqKVArena:
             tokens = t0
         if rows * tokens * per_token > cap:
             return False
-        buf = torch.zeros(L, two, rows, tokens, H, D, dtype=kv.dtype, device=kv.device)
+        buf = torch.zeros(L, two, rows, H, tokens, D, dtype=kv.dtype, device=kv.device)
         if old is not None:
-            buf[:, :, :r0, :t0] = old
+            buf[:, :, :r0, :, :t0] = old
         self.buf = buf
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return True
@@ -173,6 +176,6 @@ class SeqKVArena:
         nb = -(-n // bs)
         idx = torch.as_tensor(list(s.blocks[:nb]), dtype=torch.int64, device=kv.device)
         L, two, _, _, H, D = kv.shape
-        dst = self.buf[:, :, row, :nb * bs].view(L, two, nb, bs, H, D)
-        dst.copy_(kv.index_select(2, idx))
+        dst = self.buf[:, :, row, :, :nb * bs]  # [L, 2, H, tokens, D]
+        dst.copy_(kv.index_select(2, idx).view(L, two, nb * bs, H, D).transpose(2, 3))
         self.num_refills += 1

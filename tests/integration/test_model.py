@@ -278,7 +278,7 @@ def test_seq_kv_row_validity_rules():
     step = ar.plan([s], kv)
     assert step is not None and step.rows == [0] and ar.num_refills == 1
     # the row holds the pool's 6 tokens (blocks 5 then 2), in order
-    assert torch.equal(step.buf[:, :, 0, :6], torch.cat([kv[:, :, 5], kv[:, :, 2, :2]], 2))
+    assert torch.equal(step.buf[:, :, 0, :, :6], torch.cat([kv[:, :, 5], kv[:, :, 2, :2]], 2).transpose(2, 3))
     ar.plan([NS(num_computed=7, num_new=1, blocks=[5, 2], token_ids=toks)], kv)
     assert ar.num_refills == 1  # valid: appended only
     ar.plan([NS(num_computed=8, num_new=1, blocks=[5, 3], token_ids=toks)], kv)
