@@ -77,7 +77,9 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     keeps the margin (its spill delays the prefill pool's short work); past that it spills
     (``spill-cold``) to a prefill worker that beats the home's best by more than ``spill_margin``
     and after which short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
-    this request included, ≤ ``ttft_slo_s``). An empty home pool falls back to the other
+    this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
+    anywhere and spills only to a prefill worker with nothing queued, once home would make it
+    wait more than ``HOPELESS_WAIT_FACTOR`` times its own work). An empty home pool falls back to the other
     (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -509,6 +511,13 @@ work that alone takes half the SLO would make short work queued behind it miss t
 held too much work in the single pre-prefill worker of the simulator's reference cluster at a 2 s
 SLO (1.27 vs 1.57 QPS/GPU at 3 % cold traffic; see the issue-11 report)."""
 
+HOPELESS_WAIT_FACTOR = 4.0
+"""A3: a heavy request whose own work exceeds the SLO spills to an idle prefill worker only once
+home would make it wait more than this many times its own work (its TTFT at home is then at most
+about 5x its own work). Such a request misses the SLO anywhere, so a spill gains no goodput and
+delays short work; letting it spill to any idle prefill worker (a factor of 0) cost adaptive 7.7 %
+on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646 QPS/GPU)."""
+
 DECODE_APPEND_TPOT_SHARE = 0.5
 """Decode-local append: the append's compute, with the appends queued before it on that decode
 worker, may take at most this share of ``tpot_slo_s`` (the rest of the budget is kept for the
@@ -568,12 +577,23 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
     return cfg.heavy_uncached_s if cfg.heavy_uncached_s is not None else HEAVY_SLO_SHARE * cfg.ttft_slo_s
 
 
-def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> bool:
+def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], home_wait_s: float,
+                           cfg: RoutingConfig) -> bool:
     """Heavy work may enter the prefill pool on ``c`` only if the pool keeps a worker whose queue,
     with ``c``'s grown by this request's own work, is within ``ttft_slo_s``: short work arriving
-    next still starts within the SLO somewhere in the prefill pool."""
+    next still starts within the SLO somewhere in the prefill pool.
+
+    A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
+    gains no goodput and only delays short work: it stays home, unless home would make it wait
+    more than :data:`HOPELESS_WAIT_FACTOR` times its own work (``home_wait_s``), when it may take
+    a prefill worker with nothing queued (short work arriving next then waits at most this one
+    request). Without that bound it stayed behind a pre-prefill queue of any length while a
+    prefill worker idled (a live trial: TTFT up to 36 s, the prefill worker idle)."""
     waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
-    return min(waits) <= cfg.ttft_slo_s
+    if min(waits) <= cfg.ttft_slo_s:
+        return True
+    return c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
+        and min(waits) <= c.est.own_s
 
 
 def _spill_margin(best_home: _Candidate, heavy: bool, cfg: RoutingConfig) -> float:
@@ -601,7 +621,7 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
     if heavy:
         if best_home.est.ttft_s <= cfg.ttft_slo_s:
             return best_home, DecisionReason.HOME, None
-        other = [c for c in other if _short_work_still_fits(c, other, cfg)]
+        other = [c for c in other if _short_work_still_fits(c, other, best_home.est.wait_s, cfg)]
     if other:
         best_other = _best(other)
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:

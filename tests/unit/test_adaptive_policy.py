@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
+from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HOPELESS_WAIT_FACTOR, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
                                 PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
                                 work_s)
 from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
@@ -149,6 +149,20 @@ def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
     assert one.pool == Role.PRE_PREFILL and one.reason == DecisionReason.HOME
     small = route(SPILLABLE, PrefixMatch(), _cluster(pp=(8.0,), p=(0.5,)), CFG, COST)  # 0.5 + 1.2 <= 2
     assert small.pool == Role.PREFILL and small.reason == DecisionReason.SPILL_COLD
+
+
+def test_work_longer_than_the_slo_takes_an_idle_prefill_worker_past_a_hopeless_home_queue():
+    """A request whose own work (3 s) exceeds the SLO (2 s) misses it anywhere: it stays home
+    behind a queue of up to HOPELESS_WAIT_FACTOR x its own work (12 s), then takes a prefill
+    worker with nothing queued (it stayed behind a pre-prefill queue of any length while the
+    prefill worker idled), never a busy one."""
+    assert HOPELESS_WAIT_FACTOR * 3.0 == 12.0
+    hopeless = route(3000, PrefixMatch(), _cluster(pp=(13.0,), p=(0.0,)), CFG, COST)
+    assert (hopeless.pool, hopeless.prefill_worker, hopeless.reason) == (Role.PREFILL, "p0",
+                                                                        DecisionReason.SPILL_COLD)
+    for pp_q, p_q in ((10.0, 0.0), (13.0, 0.5), (600.0, 0.5), (0.0, 0.0)):
+        d = route(3000, PrefixMatch(), _cluster(pp=(pp_q,), p=(p_q,)), CFG, COST)
+        assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME, (pp_q, p_q)
 
 
 @settings(max_examples=300, deadline=None)
