@@ -27,7 +27,7 @@ from cpd.messages.worker_api import KvSnapshot, L3Snapshot, MalformedBody, decod
 from cpd.policy.roles import PlannerConfig
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router import compat, registration
-from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend
+from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend, current_tenant
 from cpd.router.dispatch import CPDBackend, DispatchTimeouts
 from cpd.router.elastic import ElasticRoles, RoleAssignment, apply_role_change
 from cpd.router.errors import error_response
@@ -231,8 +231,9 @@ class Router:
 
         @app.get("/cpd/requests")
         async def recent_requests():
-            """Routing records of the last 1000 requests (class, pool, workers, cached tokens per tier)."""
-            return dict(router.backend.recent)
+            """Routing records of the last 1000 requests (class, pool, workers, cached tokens per tier);
+            with API keys, the caller's tenant's only."""
+            return router.backend.recent.visible_to(current_tenant.get())
 
         @app.get("/cpd/elastic")
         async def elastic():

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from cpd.messages.worker_api import PrefillResponse
 from cpd.policy.routing import LinearCostModel, RouteDecision
+from cpd.router.api_keys import current_tenant
 from cpd.router.estimates import CostEstimates
 from cpd.router.metrics import RouterMetrics
 from cpd.types import Tier
@@ -69,11 +70,15 @@ def _loads_s(cm: LinearCostModel, by_tier: Mapping[Tier, int]) -> float:
 
 
 class RecentRequests:
-    """The routing records of the last :data:`MAX_RECENT_REQUESTS` requests (``/cpd/requests``)."""
+    """The routing records of the last :data:`MAX_RECENT_REQUESTS` requests (``/cpd/requests``),
+    each kept with the tenant it was made for (:data:`cpd.router.api_keys.current_tenant` when it
+    is recorded): with API keys, a client sees only its own tenant's records
+    (:meth:`visible_to`), since they tell prompt lengths and cache hits."""
 
     def __init__(self, max_requests: int = MAX_RECENT_REQUESTS):
         self.max_requests = max_requests
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._tenant_of: dict[str, str | None] = {}
 
     def remember(self, request_id: str, d: RouteDecision, pre: PrefillResponse, num_prompt_tokens: int,
                  ttft_s: float, raw_wait_s: float = 0.0) -> None:
@@ -89,8 +94,17 @@ class RecentRequests:
             "raw_wait_s": raw_wait_s, "load_plan": asdict(d.load_plan),
             "cached_tokens_by_tier": {str(t): n for t, n in pre.num_cached_tokens_by_tier.items()},
             "prompt_tokens": num_prompt_tokens, "ttft_s": ttft_s}
+        self._tenant_of[request_id] = current_tenant.get()
         while len(self.records) > self.max_requests:
-            self.records.popitem(last=False)
+            old, _ = self.records.popitem(last=False)
+            self._tenant_of.pop(old, None)
+
+    def visible_to(self, tenant: str | None) -> dict[str, dict[str, Any]]:
+        """The records ``tenant`` may read: all of them without API keys (``tenant`` None: one
+        trusted client population), else only that tenant's."""
+        if tenant is None:
+            return dict(self.records)
+        return {rid: rec for rid, rec in self.records.items() if self._tenant_of.get(rid) == tenant}
 
     def note_decode_retry(self, request_id: str, decode_worker: str | None, reprefills: int, error: str) -> None:
         rec = self.records.get(request_id)

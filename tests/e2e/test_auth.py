@@ -208,6 +208,11 @@ def test_tenants_never_share_kv_and_a_body_salt_cannot_cross(dep):
     a2 = _post(dep, ALICE, prompt)
     assert _cached(a2) > 0 and a2.json()["choices"][0]["token_ids"] == oracle
     assert_no_leaks_signed(dep)
+    # the routing records (prompt lengths, cache hits) are each tenant's own
+    seen = {key: httpx.get(f"{dep.url}/cpd/requests", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
+            for key in (ALICE, BOB)}
+    assert a1.json()["id"] in seen[ALICE] and a2.json()["id"] in seen[ALICE]
+    assert b.json()["id"] in seen[BOB] and not set(seen[ALICE]) & set(seen[BOB])
 
 
 def assert_no_leaks_signed(dep):
