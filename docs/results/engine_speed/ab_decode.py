@@ -34,8 +34,8 @@ def ask(p, cmd):
     p.stdin.write(json.dumps(cmd) + "\n"); p.stdin.flush()
     return json.loads(p.stdout.readline())
 old_tree, new_tree = sys.argv[1], sys.argv[2]
-dec = [tuple(int(v) for v in x.split("x")) for x in sys.argv[3].split(",") if x]
-pre = [tuple(int(v) for v in x.split("x")) for x in sys.argv[4].split(",") if x]
+dec = [tuple(int(v) for v in (x if "x" in x else "1x" + x).split("x")) for x in sys.argv[3].split(",") if x]
+pre = [tuple(int(v) for v in (x if "x" in x else "1x" + x).split("x")) for x in sys.argv[4].split(",") if x]
 reps, steps, out_json = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 mt = max([b * n for b, n in dec + pre] + [512]); ms = max([b for b, _ in dec + pre] + [1])
 ws = {"old": start(old_tree, "cpd", mt, ms), "new": start(new_tree, "cpd", mt, ms), "hf": start(new_tree, "hf", mt, ms)}
@@ -60,7 +60,7 @@ for op, pts in (("prefill", pre), ("decode", dec)):
                 row[k + "_ratio_cpu"] = row["hf_cpu"] / row[k + "_cpu"]; row[k + "_ratio_wall"] = row["hf_wall"] / row[k + "_wall"]
         row["new_vs_old_cpu"] = row["old_cpu"] / row["new_cpu"]
         res[op][f"{b}x{n}"] = row
-        print(op, f"{b}x{n}", {k: round(v * 1e3, 1) if k.endswith(("_wall", "_cpu")) else round(v, 3)
+        print(op, f"{b}x{n}", {k: round(v * 1e3, 1) if "ratio" not in k and k.endswith(("_wall", "_cpu")) else round(v, 3)
                                      for k, v in row.items()}, flush=True)
 res["loadavg_end"] = os.getloadavg()
 json.dump(res, open(out_json, "w"), indent=1)
