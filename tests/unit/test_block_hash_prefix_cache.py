@@ -13,20 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpd.kv import block_hash as bh
-from cpd.kv.block_hash import Namespace, hash_block, hash_blocks, hash_blocks_u32le
+from cpd.kv.block_hash import Namespace, hash_blocks, hash_blocks_u32le
+from test_block_hash import _reference_chain as _definition  # the definition, block by block
 
 pytestmark = pytest.mark.skipif(bh._chain_native is None, reason="C extension cpd.kv._chain_sha256 not built")
 
 NS = Namespace(model_id="test-model", weights_digest="w0", tokenizer_digest="t0")  # block_size 16
-
-
-def _definition(toks, ns: Namespace, parent: int | None = None) -> list[int]:
-    """The definition, block by block (``hash_block``: no C, no cache)."""
-    h, out = (ns.root_hash() if parent is None else parent), []
-    for i in range(len(toks) // ns.block_size):
-        h = hash_block(h, toks[i * ns.block_size:(i + 1) * ns.block_size])
-        out.append(h)
-    return out
 
 
 @pytest.fixture
