@@ -6,6 +6,8 @@ from cpd.sim.sweep import search_saturation
 base = with_overrides(load_experiment("reference_b200"), G.QUICK_EXP)
 e = G.cell_experiment(base, {"workload": "agent", "cold": 0.03, "ttft_s": 2.0, "output": 100})
 cfg = sys.argv[1]
+if len(sys.argv) > 2:
+    e = dict(e, router_cost=sys.argv[2])
 t = time.perf_counter()
 r = search_saturation(e, cfg, 2)
 out = {"config": cfg, "sat": r["qps_per_gpu"], "points": []}
