@@ -95,7 +95,7 @@ def _complete(dep, prompt: list[int], max_tokens: int, key: str = KEY_A, **extra
                                                                         **extra})
     raw = r.model_dump()
     cached = (raw["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return raw["choices"][0]["token_ids"], cached, _get(dep, "/cpd/requests")[r.id]
+    return raw["choices"][0]["token_ids"], cached, _get(dep, "/cpd/requests", key)[r.id]  # its tenant's own records
 
 
 def _conversation(dep, seed: int, key: str = KEY_A) -> tuple[list[int], str]:
