@@ -20,6 +20,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,9 +43,33 @@ ROLE_PREFIX = {"pre-prefill": "pp", "prefill": "p", "decode": "d"}
 
 
 def free_port() -> int:
+    """A TCP port free now, for a child to bind later, chosen outside the kernel's ephemeral range
+    where that leaves room: a port from that range (what binding port 0 returns) can be handed
+    to an outgoing connection (the router's, a worker's) before the child binds it, which failed
+    a 12-worker start with "Address already in use". Falls back to port 0's answer."""
+    lo, hi = _ephemeral_range()
+    span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.choice(span) if len(span) else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux), else the IANA one."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
