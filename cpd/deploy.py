@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -42,25 +43,34 @@ log = logging.getLogger("cpd.deploy")
 ROLE_PREFIX = {"pre-prefill": "pp", "prefill": "p", "decode": "d"}
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+"""Ports :func:`free_port` returned recently in this process: never returned again while here."""
+
+
 def free_port() -> int:
-    """A TCP port free now, for a child to bind later, chosen outside the kernel's ephemeral range
-    where that leaves room: a port from that range (what binding port 0 returns) can be handed
-    to an outgoing connection (the router's, a worker's) before the child binds it, which failed
-    a 12-worker start with "Address already in use". Falls back to port 0's answer."""
+    """A TCP port free now, for a child to bind later. Ports are checked and released one at a
+    time, so without memory two calls could return the same port (a worker's HTTP and event
+    ports, or two workers'), and the second bind fails with "Address already in use" (seen in
+    CI-sized runs): a port handed out recently is never handed out again. Chosen outside the
+    kernel's ephemeral range where that leaves room, so no outgoing connection takes it
+    meanwhile; falls back to port 0's answer."""
     lo, hi = _ephemeral_range()
     span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
     rng = random.SystemRandom()
-    for _ in range(64):
+    for _ in range(256):
         port = rng.choice(span) if len(span) else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise DeploymentError("no free TCP port found")
 
 
 def _ephemeral_range() -> tuple[int, int]:
