@@ -53,7 +53,8 @@ def free_port() -> int:
     ports, or two workers'), and the second bind fails with "Address already in use" (seen in
     CI-sized runs): a port handed out recently is never handed out again. Chosen outside the
     kernel's ephemeral range where that leaves room, so no outgoing connection takes it
-    meanwhile; falls back to port 0's answer."""
+    meanwhile (where it leaves none, the kernel's choice for port 0). Raises DeploymentError
+    after 256 tries without a free, not recently handed out port."""
     lo, hi = _ephemeral_range()
     span = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536)
     rng = random.SystemRandom()
