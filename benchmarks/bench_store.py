@@ -28,12 +28,7 @@ import time
 import numpy as np
 
 from cpd.store import open_store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cpd.deploy import free_port
 
 
 def bench_store(store, size: int, n: int, rounds: int = 3) -> tuple[float, float]:
@@ -118,7 +113,7 @@ def start_cluster(tmp: str) -> tuple[list[subprocess.Popen], str]:
     import random
     ports: list[int] = []
     while len(ports) < 3:
-        p = random.randrange(20000, 45000)
+        p = random.randrange(10000, 22000)  # P and P+10000 below the ephemeral range
         ok = True
         for q in (p, p + 10000):
             with socket.socket() as sk:

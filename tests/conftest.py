@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from cpd.deploy import free_port  # noqa: F401  (the one port chooser: outside the ephemeral range, never twice)
+
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TRACE = SHARED / "data" / "traces" / "mooncake" / "conversation_trace.jsonl"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -39,7 +39,7 @@ def _free_ports(n):
     import random
     out = []
     while len(out) < n:
-        p = random.randrange(20000, 45000)
+        p = random.randrange(10000, 22000)  # P and P+10000 below the ephemeral range
         if p not in out and _port_free(p) and _port_free(p + 10000):
             out.append(p)
     return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 
@@ -20,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from cpd.kv.block_hash import Namespace, hash_blocks
+from cpd.deploy import free_port
 from cpd.messages.sampling import SamplingParams
 from cpd.messages.worker_api import AppendRequest, LoadReport, encode
 from cpd.policy.role_window import RoleWindow
@@ -43,9 +43,7 @@ class _Server:
     """A real HTTP server (uvicorn, one thread, a free port) for one app."""
 
     def __init__(self, app: FastAPI):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

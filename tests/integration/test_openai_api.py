@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ import pytest
 import uvicorn
 
 from cpd.router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from cpd.deploy import free_port
 from cpd.router.openai_api import create_app
 from cpd.router.protocol import (BackendError, GenerationBackend, GenerationChunk,
                                  GenerationRequest)
@@ -127,15 +127,9 @@ class ScriptedBackend:
                                   num_cached_tokens=(len(req.prompt_token_ids) // 2) if i == 0 else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, app):
-        self.port = _free_port()
+        self.port = free_port()
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                              lifespan="off", timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(cfg)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpd.deploy import free_port
 from cpd.kv.events import BlockRemoved, BlockStored
 from cpd.store import StoreUnavailable, open_store
 from cpd.store.chunk_format import decode_value, encode_value
@@ -274,10 +274,7 @@ def test_redis_unreachable_raises_and_connector_misses_fast(redis_server):
 
 
 def test_unresolvable_redis_host_is_unavailable():
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    p = port.getsockname()[1]
-    port.close()  # nothing listens there
+    p = free_port()  # nothing listens there
     s = open_store(f"redis://127.0.0.1:{p}")
     t0 = time.monotonic()
     with pytest.raises(StoreUnavailable):
