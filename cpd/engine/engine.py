@@ -101,6 +101,11 @@ class StepOutput:
             ``{"L1": n, "L2": n, "L3": n}`` prompt tokens loaded instead of computed.
         queue_s: on the first output only: seconds from ``add_request`` to the step that
             first admitted the request (waiting time in this engine's queue).
+        step_tokens / step_s: on the first output only: tokens the engine computed in its
+            steps from the request's admission to this output, *all requests of those steps
+            together*, and those steps' seconds (forward and sampling). A rate measured from
+            them is the engine's, unbiased by batching: a request's own tokens over its own
+            wall time would count its batch-mates' work as its own.
         error: with finish_reason ``"error"``: what failed (``repr`` of the exception).
     """
 
@@ -111,13 +116,15 @@ class StepOutput:
     num_cached_tokens_by_tier: dict[str, int] | None = None
     queue_s: float | None = None
     error: str | None = None
+    step_tokens: int | None = None
+    step_s: float | None = None
 
 
 class _Req:
     __slots__ = ("id", "sampling", "mode", "max_l3_blocks", "write_through", "ns", "prompt_len", "tokens",
                  "num_output", "blocks", "num_computed", "hashes", "num_registered", "prepared",
                  "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids",
-                 "added_at_s", "admitted_at_s", "u32")
+                 "added_at_s", "admitted_at_s", "u32", "step_totals_at_admit")
 
     def __init__(self, rid: str, tokens: list[int], prompt_len: int, sampling: SamplingParams, mode: str,
                  ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int],
@@ -145,6 +152,7 @@ class _Req:
         self.stop_ids = stop_ids
         self.added_at_s = 0.0  # set by the engine, on its clock
         self.admitted_at_s: float | None = None
+        self.step_totals_at_admit = (0, 0.0)  # the engine's (step_tokens_total, step_s_total) then
 
 
 class Engine:
@@ -221,7 +229,9 @@ class Engine:
         self._pending_outputs: list[StepOutput] = []
         self._pending_prefill_tokens = 0
         self._load = {"queued_prefill_tokens": 0, "running_requests": 0, "waiting_requests": 0, "kv_usage": 0.0}
-        self.num_steps = 0
+        self.num_steps = 0  # steps that ran a forward (a worker's progress counter)
+        self.step_tokens_total = 0  # tokens computed by those steps, all requests together
+        self.step_s_total = 0.0  # their seconds (forward and sampling), on ``clock``
         self.num_preemptions = 0
         self._faults = faults or FaultPlan()
         self.num_failed_requests = 0  # requests finished with "error"
@@ -875,6 +885,7 @@ class Engine:
                     r.import_kv = None
                     if r.admitted_at_s is None:
                         r.admitted_at_s = self._clock()
+                        r.step_totals_at_admit = (self.step_tokens_total, self.step_s_total)
                     self._running.append(r)
                     self._write_through_guarded(r)
         return plan, by_id
@@ -914,6 +925,7 @@ class Engine:
                 self.executor.idle()
             return outputs
         sched = [(by_id[s.request_id], s.num_new_tokens) for s in plan.scheduled]
+        t0 = self._clock()
         try:
             logits = self._forward(sched, [s.num_new_blocks for s in plan.scheduled])
         except Exception as e:
@@ -926,10 +938,13 @@ class Engine:
             self._register_full(r)
             self._write_through_guarded(r)
         sreqs = [r for r, n in sched if r.num_computed == len(r.tokens)]
+        tokens = self._sample_tokens(logits, sreqs) if sreqs else []
+        self.step_tokens_total += sum(n for _, n in sched)
+        self.step_s_total += self._clock() - t0
         if not sreqs:
             return outputs
         finished: list[tuple[_Req, str]] = []
-        for r, tok in zip(sreqs, self._sample_tokens(logits, sreqs)):
+        for r, tok in zip(sreqs, tokens):
             if isinstance(tok, BaseException):
                 self._running.remove(r)
                 self._fail(r, tok, "sampling")
@@ -965,5 +980,7 @@ class Engine:
         if not r.sent_first:
             out.num_cached_tokens_by_tier = dict(r.cached_by_tier)
             out.queue_s = (r.admitted_at_s or r.added_at_s) - r.added_at_s
+            tokens0, s0 = r.step_totals_at_admit
+            out.step_tokens, out.step_s = self.step_tokens_total - tokens0, self.step_s_total - s0
             r.sent_first = True
         return out, reason

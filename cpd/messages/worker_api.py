@@ -8,7 +8,9 @@ encodes its answers with :func:`encode`; the router decodes the answers with
 =============================  ========================  ===================================
 endpoint                       request body              answer
 =============================  ========================  ===================================
-``POST /prefill``              :class:`PrefillRequest`   :class:`PrefillResponse`
+``POST /prefill``              :class:`PrefillRequest`   :class:`PrefillResponse`; with
+                                                         ``stream_progress``: NDJSON
+                                                         :class:`PrefillLine` per line
 ``POST /decode``               :class:`DecodeRequest`    NDJSON :class:`DecodeLine` per line
                                                          (an empty line is a heartbeat)
 ``POST /append``               :class:`AppendRequest`    NDJSON :class:`DecodeLine` per line
@@ -45,7 +47,9 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     ``max_l3_blocks``: load at most this many leading blocks from L3 (the policy chose to
     recompute the rest); None = as many as the store has. ``write_through``: also write every
-    full prompt block to L3 (the pre-prefill pool)."""
+    full prompt block to L3 (the pre-prefill pool). ``stream_progress``: answer as an NDJSON
+    stream of :class:`PrefillLine` (progress lines while the prefill runs, then the answer), so
+    that the caller can bound a prefill by its progress instead of a guess of its length."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -53,6 +57,7 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     max_l3_blocks: int | None = None
     write_through: bool = False
+    stream_progress: bool = False
 
 
 class L3Observation(msgspec.Struct, frozen=True):
@@ -78,7 +83,10 @@ class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
     ``num_cached_tokens_by_tier``: prompt tokens whose KV came from each tier. Times in seconds:
     ``prefill_s`` the whole call, ``queue_s`` waiting in the engine, ``compute_s`` the rest.
     ``fallback``: connector fallbacks by kind since the last answer; ``transfers``: per tier,
-    ``(bytes, seconds)`` loaded since the last answer; ``l3_observations``: what the store showed."""
+    ``(bytes, seconds)`` loaded since the last answer; ``l3_observations``: what the store showed.
+    ``step_tokens`` / ``step_s``: tokens the engine computed in the steps that ran while this
+    request was admitted (all requests of those steps together) and those steps' seconds: the
+    engine's prefill rate unbiased by batching (:class:`cpd.engine.engine.StepOutput`)."""
 
     first_token_ids: list[int]
     finish_reason: str | None
@@ -92,10 +100,27 @@ class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
     fallback: dict[str, int] = {}
     transfers: dict[Tier, tuple[int, float]] = {}
     l3_observations: list[L3Observation] = []
+    step_tokens: int | None = None
+    step_s: float | None = None
 
     @property
     def num_cached_tokens(self) -> int:
         return sum(self.num_cached_tokens_by_tier.values())
+
+
+class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One NDJSON line of ``POST /prefill`` with ``stream_progress``: exactly one of
+
+    * progress (``num_engine_steps``; sent every ``PREFILL_PROGRESS_S`` while the request is
+      queued or computed): the worker's count of engine steps that ran a forward. It advances
+      while this worker computes anything, this request or the ones queued before it; a worker
+      whose count stops is stalled, one that sends no line is stopped or gone;
+    * ``answer``: the prefill's answer (the last line);
+    * ``error``: the request failed on the worker (the last line)."""
+
+    num_engine_steps: int | None = None
+    answer: PrefillResponse | None = None
+    error: str | None = None
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -236,7 +261,7 @@ def encode(msg: Any) -> bytes:
     return msgspec.json.encode(msg)
 
 
-__all__ = ["PrefillRequest", "PrefillResponse", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
+__all__ = ["PrefillRequest", "PrefillResponse", "PrefillLine", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
            "RoleChangeRequest", "RoleChangeResponse", "LoadReport",
            "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "Ack", "ErrorBody", "HandoffHandle",
            "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode"]

@@ -32,7 +32,8 @@ call, which the worker sees as a disconnect and aborts — blocks are freed on e
 worker.
 
 Failures (issue 7 §1, §3, §4). Every router→worker call is bounded in time
-(:class:`DispatchTimeouts`). A prefill-side call that fails in transport or times out marks
+(:class:`DispatchTimeouts`; a prefill by its progress, not by its estimate:
+:mod:`cpd.router.prefill_relay`). A prefill-side call that fails in transport or times out marks
 the worker unhealthy, excludes it for this request and is retried on the policy's next choice.
 A decode call that fails before the first decoded token is retried: on another decode worker
 from the same staging (the sender holds it until the decode worker's first output), or, if the
@@ -60,8 +61,8 @@ import httpx
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, MalformedBody, PrefillRequest,
-                                     PrefillResponse, decode_body, encode)
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, PrefillRequest, PrefillResponse,
+                                     encode)
 from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
 from cpd.policy.routing import pick_decode, work_s
 from cpd.router.decode_relay import JSON_HEADERS, DecodeFailed, relay_decode
@@ -69,6 +70,7 @@ from cpd.router.dispatch_records import RecentRequests, record_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
+from cpd.router.prefill_relay import post_prefill
 from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerSet
@@ -403,8 +405,9 @@ class CPDBackend:
 
     async def _prefill(self, run: _Run, d: RouteDecision, hashes: list[BlockHash],
                        sampling: SamplingParams | None = None) -> PrefillResponse:
-        """One ``POST /prefill``, bounded by :meth:`DispatchTimeouts.prefill_s` of the policy's
-        estimate. With ``write_through`` the blocks it computes are announced as pending L3
+        """One ``POST /prefill``, streamed with progress and bounded by it
+        (:func:`cpd.router.prefill_relay.post_prefill`), never by the policy's estimate: an
+        estimate that is wrong must not fail a prefill that is making progress. With ``write_through`` the blocks it computes are announced as pending L3
         writes (read-after-write) until they show up, expire, or the call fails."""
         req = run.req
         w = self.workers.by_id[d.prefill_worker]
@@ -418,7 +421,6 @@ class CPDBackend:
                   d.prefill_worker, dataclasses.asdict(d.load_plan), d.reasons)
         cached_blocks = d.load_plan.num_cached_blocks
         est_s = work_s(d.load_plan, n, self.cfg, self.estimates.model())
-        limit_s = self.timeouts.prefill_s(d.estimated_ttft_s)
         now = time.monotonic()
         pending = hashes[cached_blocks:] if d.write_through else []
         if pending:
@@ -433,11 +435,8 @@ class CPDBackend:
             dw.pending_handoffs += 1
         ok = False
         try:
-            r = await asyncio.wait_for(
-                self.client.post(f"{w.url}/prefill", content=encode(body), headers=JSON_HEADERS,
-                                 timeout=self.timeouts.httpx(limit_s)),
-                self.timeouts.connect_s + limit_s)
-            ok = r.status_code == 200
+            ans = await post_prefill(self.client, self.timeouts, f"{w.url}/prefill", w.worker_id, body)
+            ok = True
         finally:
             w.queued_prefill_tokens -= n
             w.queued_prefill_s -= est_s
@@ -446,13 +445,6 @@ class CPDBackend:
                 dw.pending_handoffs -= 1
             if pending and not ok:
                 self.index.drop_pending_writes(pending)
-        if r.status_code != 200:
-            raise BackendError(f"prefill worker {w.worker_id} error: {r.text[:200]}", 502, "server_error")
-        try:
-            ans = decode_body(r.content, PrefillResponse)
-        except MalformedBody as e:
-            raise BackendError(f"prefill worker {w.worker_id} sent a malformed answer: {e}", 502,
-                               "server_error") from None
         self._correct_stale_index(d, ans, sent_s=now)
         if self.role_window is not None and Role(w.role) in PREFILL_SIDE_ROLES:
             self.role_window.observe_prefill_done(time.monotonic(), Role(w.role), ans.queue_s or 0.0,

@@ -46,7 +46,7 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
         m.load_decisions.labels(d.recompute.tier).inc()
     for kind, n in pre.fallback.items():
         m.fallbacks.labels(kind).inc(n)
-    observe_prefill(estimates, by_tier, num_prompt_tokens, pre.compute_s or pre.prefill_s)
+    observe_prefill(estimates, by_tier, num_prompt_tokens, pre.compute_s or pre.prefill_s, pre.step_tokens, pre.step_s)
     cm = estimates.model()
     m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
     m.cost_bandwidth.labels(Tier.L2).set(cm.l2_bytes_per_s)
@@ -54,12 +54,14 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
 
 
 def observe_prefill(estimates: CostEstimates, by_tier: Mapping[Tier, int], num_prompt_tokens: int,
-                    compute_s: float) -> None:
+                    compute_s: float, step_tokens: int | None = None, step_s: float | None = None) -> None:
     """Feed one prefill to the cost estimates (live and simulated router alike): its computed and
-    cached tokens, and its compute time less the estimated time of its L2/L3 prefix loads."""
+    cached tokens, and its compute time less the estimated time of its L2/L3 prefix loads; the
+    engine's step figures when the worker reports them (:meth:`CostEstimates.observe_prefill`)."""
     loaded = sum(by_tier.values())
     cm = estimates.model()
-    estimates.observe_prefill(max(0, num_prompt_tokens - loaded), loaded, compute_s - _loads_s(cm, by_tier))
+    estimates.observe_prefill(max(0, num_prompt_tokens - loaded), loaded, compute_s - _loads_s(cm, by_tier),
+                              step_tokens, step_s)
 
 
 def _loads_s(cm: LinearCostModel, by_tier: Mapping[Tier, int]) -> float:

@@ -4,7 +4,13 @@ The pure policy reads a frozen :class:`cpd.policy.routing.LinearCostModel` built
 report (:meth:`CostEstimates.model`):
 
 * **Prefill time**, by default one rate (computed tokens per second of compute) followed by an
-  exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample). With
+  exponentially weighted moving average (EWMA, weight ``alpha`` on the newest sample). A sample
+  is the engine's rate over the steps that ran while the request was computed (all requests of
+  those steps together: ``step_tokens / step_s`` of the worker's answer), not the request's own
+  tokens over its own time: in a batched step each request's time includes its batch-mates'
+  work, so the per-request rate of a batch of ten 24-token prefills was a tenth of the engine's
+  (a measured burst set the rate to 65 tokens/s). Answers without step figures (an append's)
+  fall back to the request's own rate. With
   ``fit_prefill`` (``router.prefill_cost_fit``): ``a + b·n + c·n·(p + n/2)`` (``n`` computed
   tokens on ``p`` cached; the form of :mod:`cpd.costmodel.calibrated`), fitted by the same
   weighted least squares (relative error, coefficients ≥ 0) to the last
@@ -36,6 +42,15 @@ MIN_PREFILL_TOKENS = 16
 """Smaller prefills are not observed (their time is mostly noise)."""
 
 
+def prefill_rate_sample(num_computed_tokens: int, compute_s: float, step_tokens: int | None,
+                        step_s: float | None) -> float:
+    """Tokens per second of compute: the engine's over its steps (``step_tokens / step_s``, batch
+    unbiased) when given and at least the request's own tokens, else the request's own rate."""
+    if step_tokens is not None and step_s is not None and step_s > 0 and step_tokens >= num_computed_tokens:
+        return step_tokens / step_s
+    return num_computed_tokens / compute_s
+
+
 class CostEstimates:
     """Fitted / EWMA estimates; start from ``initial`` and move with each observation."""
 
@@ -50,9 +65,12 @@ class CostEstimates:
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
 
-    def observe_prefill(self, num_computed_tokens: int, num_cached_tokens: int, compute_s: float) -> None:
+    def observe_prefill(self, num_computed_tokens: int, num_cached_tokens: int, compute_s: float,
+                        step_tokens: int | None = None, step_s: float | None = None) -> None:
         """One prefill: ``num_computed_tokens`` computed on ``num_cached_tokens`` already cached, in
-        ``compute_s`` seconds of compute (queueing and prefix loads excluded)."""
+        ``compute_s`` seconds of compute (queueing and prefix loads excluded); ``step_tokens`` /
+        ``step_s`` (when the worker reports them): tokens and seconds of the engine steps that ran
+        while it was computed, batch-mates included: the rate sample of the EWMA."""
         if num_computed_tokens < MIN_PREFILL_TOKENS or compute_s <= 0:
             return
         if self.fit_prefill:
@@ -61,7 +79,7 @@ class CostEstimates:
             if len(self._prefills) >= MIN_FIT_OBSERVATIONS and self._since_fit >= REFIT_EVERY and self._refit():
                 return
         if self.fit_rms_rel_error is None:
-            rate = num_computed_tokens / compute_s
+            rate = prefill_rate_sample(num_computed_tokens, compute_s, step_tokens, step_s)
             self._m = replace(self._m, prefill_tokens_per_s=self._ewma(self._m.prefill_tokens_per_s, rate))
 
     def _refit(self) -> bool:

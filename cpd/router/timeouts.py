@@ -13,10 +13,25 @@ class DispatchTimeouts:
     """Time bounds of every router→worker call (issue 7 §3); all in seconds.
 
     * Any call: TCP connect and connection-pool wait ≤ ``connect_s``.
-    * ``POST /prefill``: the whole answer within :meth:`prefill_s` =
-      ``min(prefill_cap_s, prefill_floor_s + prefill_slack × estimate)``, where ``estimate`` is
-      the policy's estimated TTFT on the chosen worker (its queue + loads + compute, from the
-      live cost model). Then the worker is excluded and the request retried elsewhere.
+    * ``POST /prefill`` (streamed with progress lines, :mod:`cpd.router.prefill_relay`): bounded
+      by its progress, never by a guess of its length (:meth:`prefill_deadline`): a line (the
+      worker sends one every 0.5 s) within ``prefill_idle_s`` of the last one, else the worker
+      is stopped, dead or cut off; the worker's engine step count advancing within
+      ``prefill_stall_s``, else its engine is stuck (one step, at most the engine's token
+      budget, must fit in it); and the whole answer within ``prefill_cap_s``, the last resort
+      against a hang. Then the worker is excluded and the request retried elsewhere.
+
+      Why not a bound from the estimated TTFT (``prefill_floor_s + prefill_slack × estimate``,
+      as before): the estimate is a model, and models are wrong exactly where it hurts (an
+      8000-token prompt on SmolLM2 / 2 CPU cores ran 107 s while the router, its one-rate
+      estimate skewed by batched short prefills and blind to attention's quadratic term,
+      allowed less, and a valid request failed with 503). An estimate may steer routing; it
+      must not fail a prefill that is making progress. Serving stacks' users expect the same:
+      vLLM and SGLang do not cut a running prefill short by a length model, and disaggregated
+      routers detect a failed worker by its connection or its liveness, not by the clock.
+    * Decode-local append (``POST /append``): its first token is still due within
+      :meth:`prefill_s` = ``min(prefill_cap_s, prefill_floor_s + prefill_slack × estimate)``
+      (an append is short by construction, and one that misses is rerouted, not failed).
     * ``POST /decode``: response headers (the worker fetched and admitted the KV) within
       :meth:`decode_first_byte_s` = ``min(decode_cap_s, decode_floor_s + decode_slack × kv_bytes /
       handoff_bytes_per_s)``; then at most ``decode_idle_s`` between NDJSON lines (decode workers
@@ -26,6 +41,9 @@ class DispatchTimeouts:
     * Decode slot: a request waits at most until its staging's reclaim time minus
       :meth:`staging_margin` (``min(staging_margin_s, lifetime / 4)``).
 
+    A stopped or dead prefill worker is detected within ``prefill_idle_s`` (plus
+    ``connect_s`` for the response headers), whatever the prompt's length.
+
     Worst case for one request: ``max_prefill_attempts`` prefill bounds, then per decode attempt
     the first-byte bound (plus one re-prefill when the staging was lost). Overrides: the
     ``CPD_DISPATCH_TIMEOUTS`` environment variable of the router, a JSON object of these fields.
@@ -34,7 +52,9 @@ class DispatchTimeouts:
     connect_s: float = 3.0
     prefill_floor_s: float = 30.0
     prefill_slack: float = 4.0
-    prefill_cap_s: float = 900.0
+    prefill_cap_s: float = 1800.0
+    prefill_idle_s: float = 10.0
+    prefill_stall_s: float = 120.0
     decode_floor_s: float = 15.0
     decode_slack: float = 4.0
     decode_cap_s: float = 120.0
@@ -47,6 +67,16 @@ class DispatchTimeouts:
 
     def prefill_s(self, estimate_s: float) -> float:
         return min(self.prefill_cap_s, self.prefill_floor_s + self.prefill_slack * max(0.0, estimate_s))
+
+    def prefill_deadline(self, sent_s: float, last_line_s: float, last_step_s: float) -> tuple[float, str]:
+        """When a streamed prefill sent at ``sent_s``, whose last line came at ``last_line_s``
+        and whose worker last advanced its engine step count at ``last_step_s`` (one clock),
+        stops being waited for, and why (the bound that ends first)."""
+        return min((last_line_s + self.prefill_idle_s,
+                    f"no line from the worker for {self.prefill_idle_s:g} s (stopped, dead or unreachable)"),
+                   (last_step_s + self.prefill_stall_s,
+                    f"the worker's engine made no step for {self.prefill_stall_s:g} s (stuck)"),
+                   (sent_s + self.prefill_cap_s, f"the prefill ran past the cap of {self.prefill_cap_s:g} s"))
 
     def decode_first_byte_s(self, kv_bytes: int) -> float:
         return min(self.decode_cap_s, self.decode_floor_s + self.decode_slack * max(0, kv_bytes) / self.handoff_bytes_per_s)

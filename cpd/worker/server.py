@@ -6,7 +6,10 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
 
 - ``POST /prefill`` (:class:`PrefillRequest` → :class:`PrefillResponse`): runs the prompt to its
   first token and stages the request's KV for handoff. If the caller disconnects first, the
-  request is aborted and its blocks freed.
+  request is aborted and its blocks freed. With ``stream_progress`` the answer is NDJSON
+  (:class:`PrefillLine`): a progress line (the engine's step count) every ``PREFILL_PROGRESS_S``
+  until the answer line (or an error line), so that the router bounds a prefill by its progress,
+  not by a guess of its length (:mod:`cpd.router.prefill_relay`).
 - ``POST /decode`` (:class:`DecodeRequest` → NDJSON lines of :class:`DecodeLine`): fetches the KV
   (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
   checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; an
@@ -46,8 +49,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.worker_api import (Ack, AppendRequest, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot,
-                                     L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillRequest,
-                                     PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
+                                     L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillLine,
+                                     PrefillRequest, PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
                                      WorkerInfoReport, decode_body, encode)
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
 from cpd.worker.runtime import DuplicateRequestId, EngineRunner
@@ -144,6 +147,7 @@ def worker_info(st: WorkerState) -> dict[str, Any]:
 
 
 DECODE_HEARTBEAT_S = 0.5  # an empty NDJSON line after this long without a decode output
+PREFILL_PROGRESS_S = 0.5  # a progress line this often while a streamed prefill runs
 
 
 async def _next_output(stream, request: Request, heartbeat_s: float | None = None):
@@ -290,21 +294,52 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
         return _error(str(e), 409, "duplicate_request_id")
     except (TypeError, ValueError) as e:
         return _error(f"bad prefill request: {e!r}", 400)
+    if body.stream_progress:
+        return StreamingResponse(_prefill_lines(st, rid, stream, request, t0), media_type="application/x-ndjson")
     try:
-        return await _prefill_and_stage(st, rid, stream, request, t0)
+        return _reply(await _prefill_and_stage(st, rid, stream, request, t0))
     except RuntimeError as e:  # the engine failed this step
-        st.runner.abort(rid)
-        st.sender.release(rid)
+        _drop_prefill(st, rid)
         return _error(str(e), 500)
     except BaseException:
-        st.runner.abort(rid)
-        st.sender.release(rid)
+        _drop_prefill(st, rid)
         raise
     finally:
         st.runner.close_stream(rid)
 
 
-async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request, t0: float) -> Response:
+def _drop_prefill(st: WorkerState, rid: str) -> None:
+    """Abort a prefill and release its staging (if any)."""
+    st.runner.abort(rid)
+    st.sender.release(rid)
+
+
+async def _prefill_lines(st: WorkerState, rid: str, stream, request: Request, t0: float):
+    """A streamed prefill (``stream_progress``): a :class:`PrefillLine` with the engine's step
+    count every ``PREFILL_PROGRESS_S`` while it runs, then its answer (or an error) line. As in
+    the plain call, whatever ends it early (client gone, engine error) aborts it and releases its
+    staging."""
+    task = asyncio.ensure_future(_prefill_and_stage(st, rid, stream, request, t0))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=PREFILL_PROGRESS_S)
+            if not task.done():
+                yield encode(PrefillLine(num_engine_steps=st.engine.num_steps)) + b"\n"
+        try:
+            line = PrefillLine(answer=task.result())
+        except RuntimeError as e:  # the engine failed this step
+            _drop_prefill(st, rid)
+            line = PrefillLine(error=str(e))
+        yield encode(line) + b"\n"
+    except BaseException:
+        task.cancel()
+        _drop_prefill(st, rid)
+        raise
+    finally:
+        st.runner.close_stream(rid)
+
+
+async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request, t0: float) -> PrefillResponse:
     out = await _next_output(stream, request)
     prefill_s = time.monotonic() - t0
     handoff = out.finish_reason == "handoff"
@@ -313,9 +348,9 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
         num_cached_tokens_by_tier={Tier(t): n for t, n in (out.num_cached_tokens_by_tier or {}).items()},
         prefill_s=prefill_s, queue_s=out.queue_s, compute_s=prefill_s - (out.queue_s or 0.0),
         fallback=st.new_fallbacks(), transfers=st.new_transfers(),
-        l3_observations=_drain_l3_observations(st, t0))
+        l3_observations=_drain_l3_observations(st, t0), step_tokens=out.step_tokens, step_s=out.step_s)
     if not handoff:  # the first token already ended the request; the engine freed its blocks
-        return _reply(resp)
+        return resp
 
     def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
         token_ids: list[int] = []
@@ -329,8 +364,7 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
-    return _reply(msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes),
-                                          token_ids=list(token_ids)))
+    return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes), token_ids=list(token_ids))
 
 
 def _kv_wire_dtype(engine) -> np.dtype:

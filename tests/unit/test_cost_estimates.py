@@ -107,3 +107,28 @@ def test_by_default_one_ewma_rate_and_no_fit():
     m = est.model()
     assert est.fit_rms_rel_error is None and m.prefill_overhead_s == 0.0 and m.attn_coeff == 0.0
     assert m.prefill_tokens_per_s != 2000.0
+
+
+def test_a_batched_burst_of_small_prefills_does_not_bias_the_rate():
+    """Ten 24-token prefills batched into one 0.05 s step: each request's own time is the whole
+    step's, so its own rate (24 / 0.05 = 480 tok/s) is a tenth of the engine's (4,800 tok/s).
+    With the worker's step figures (all ten requests' tokens over the step) the EWMA follows the
+    engine's rate; without them (the old per-request sample) it would sink toward 480."""
+    cost = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=4800.0)
+    est, old, m = CostEstimates(cost), CostEstimates(cost), RouterMetrics()
+    d = RouteDecision(RequestClass.COLD, Role.PRE_PREFILL, "pp0", "d0", LoadPlan(0, 0, 0), 0.05, 0.05)
+    for _ in range(10):
+        pre = PrefillResponse(first_token_ids=[1], finish_reason=None, prefill_s=0.05, queue_s=0.0, compute_s=0.05,
+                              kv_bytes=0, step_tokens=240, step_s=0.05)
+        record_prefill(m, est, d, pre, ttft_s=0.05, num_prompt_tokens=24)
+        old.observe_prefill(24, 0, 0.05)
+    assert est.model().prefill_tokens_per_s == pytest.approx(4800.0)
+    assert old.model().prefill_tokens_per_s < 0.6 * 4800.0  # the bias the step figures remove
+
+
+def test_step_figures_that_cannot_hold_the_request_fall_back_to_its_own_rate():
+    from cpd.router.estimates import prefill_rate_sample
+    assert prefill_rate_sample(100, 0.5, 240, 0.1) == pytest.approx(2400.0)
+    assert prefill_rate_sample(100, 0.5, 50, 0.1) == pytest.approx(200.0)  # fewer step tokens than its own
+    assert prefill_rate_sample(100, 0.5, None, None) == pytest.approx(200.0)  # an append's answer
+    assert prefill_rate_sample(100, 0.5, 240, 0.0) == pytest.approx(200.0)

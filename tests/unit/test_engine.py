@@ -404,3 +404,16 @@ def test_mixed_workload_stress(make_engine, oracle):
     assert e.host_pool.stats()["num_stores"] > 0 and store.saves > 0
     # the mix really exercised every tier and recompute preemption (deterministic seeds)
     assert tiers["L1"] > 0 and tiers["L2"] > 0 and tiers["L3"] > 0 and e.num_preemptions > 0
+
+
+def test_first_output_carries_the_batch_step_figures(make_engine):
+    """Requests prefilled in one step report the step's tokens, all of them together, and its
+    seconds (the router's batch-unbiased rate sample); a later request only its own steps'."""
+    e = make_engine(scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_prefill_chunk_tokens=512))
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    outs = run_all(e, [EngineRequest(f"r{i}", prompt(900 + i, 24), sp) for i in range(10)])
+    firsts = [outs[f"r{i}"][0] for i in range(10)]
+    assert all(o.step_tokens == 240 and o.step_s is not None and o.step_s > 0 for o in firsts), firsts
+    assert len({o.step_s for o in firsts}) == 1
+    later = run_all(e, [EngineRequest("late", prompt(950, 40), sp)])["late"][0]
+    assert later.step_tokens == 40 and e.step_tokens_total == 280
