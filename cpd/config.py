@@ -154,7 +154,7 @@ class RouterSection(Section):
     ttft_slo_s: float = Field(2.0, gt=0, description="TTFT SLO the adaptive rules and admission aim at (s)")
     tpot_slo_s: float = Field(0.1, gt=0, description="TPOT SLO (s); decode-local append must keep it")
     heavy_uncached_s: Optional[float] = Field(None, gt=0, description="adaptive: uncached work above this is "
-                                                                      "heavy (s; unset = 0.5 x ttft_slo_s)")
+                                                                      "heavy (s; unset = 0.25 x ttft_slo_s)")
     spill_margin: float = Field(0.25, ge=0, description="adaptive: relative TTFT gain needed before work spills "
                                                         "out of its home pool")
     admission_factor: Optional[float] = Field(None, gt=0, description="reject with 429 + Retry-After when every "

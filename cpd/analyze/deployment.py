@@ -330,7 +330,8 @@ def markdown(rec: dict[str, Any]) -> list[str]:
                  f"the model's {rec['context_tokens']}-token context with their output: their prompts are truncated "
                  "to it here and in the simulation (`context_len`)")
     L.append(f"* classes as the adaptive router makes them: heavy (`cold`) = own work (uncached compute on the "
-             f"prefix holder, router cost model) > {cl['heavy_uncached_s']:g} s (half the TTFT SLO): "
+             f"prefix holder, router cost model) > {cl['heavy_uncached_s']:g} s (`router.heavy_uncached_s`, "
+             "default a quarter of the TTFT SLO): "
              f"{cl['heavy'] / n * 100:.1f} % of requests, {cl['cold_share'] * 100:.1f} % of prefill work "
              f"({cl['cold_work_s_per_request']:.3f} s cold + {cl['warm_work_s_per_request']:.3f} s warm per request)")
     sp = rec["split"]

@@ -7,8 +7,8 @@ Rules (pure functions, tested on constructed inputs):
    (:func:`cpd.policy.routing.work_s` of :func:`cpd.policy.routing.plan_loads`) on the worker that
    holds its cached prefix in L1 (the policy's smallest ``own_s``, rule A2; a prefix only in L2/L3
    would add its load time), priced with the router's cost model. It is *heavy* (``cold``, homed
-   on the pre-prefill pool) when that exceeds :func:`cpd.policy.routing.heavy_uncached_s` (half the
-   TTFT SLO by default), else *short* (``warm``, homed on the prefill pool).
+   on the pre-prefill pool) when that exceeds :func:`cpd.policy.routing.heavy_uncached_s` (a quarter of
+   the TTFT SLO by default), else *short* (``warm``, homed on the prefill pool).
 2. **Pre-prefill / prefill split** (:func:`split_prefill_side`): the role planner's target
    (:mod:`cpd.policy.roles` rules 1-3a): demand per pool = the work rate of the class homed
    there; among the splits that keep both pool minimums (rule 2), the one with the smallest larger

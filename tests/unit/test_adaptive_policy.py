@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HOPELESS_WAIT_FACTOR, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
+from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
                                 PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
                                 work_s)
 from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
@@ -18,7 +18,7 @@ BS = 16
 COST = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0, l2_bytes_per_s=1e10,
                        l3_bytes_per_s=1e9, l3_overhead_s=1e-3)
 CFG = RoutingConfig(topology=Topology.CPD, block_size=BS, mode=RoutingMode.ADAPTIVE, ttft_slo_s=2.0)
-HEAVY_TOKENS = 1600   # 1.6 s of own work on any worker (> heavy threshold 1.0 s, half the SLO)
+HEAVY_TOKENS = 1600   # 1.6 s of own work on any worker (> heavy threshold 0.5 s, a quarter of the SLO)
 SPILLABLE = 1200      # 1.2 s: heavy, but small enough to share the prefill pool when it must
 SHORT_TOKENS = 3200   # with 3136 cached tokens: 64 new tokens, ~0.07 s
 
@@ -382,9 +382,26 @@ def test_static_mode_ignores_the_adaptive_settings(slo, margin, factor, append, 
     assert route(n, match, ws, static, COST).reason in (DecisionReason.STATIC, DecisionReason.FALLBACK)
 
 
-def test_heavy_threshold_default_is_half_the_slo():
-    assert heavy_uncached_s(CFG) == 1.0
+def test_heavy_threshold_default_is_a_share_of_the_slo():
+    assert heavy_uncached_s(CFG) == pytest.approx(HEAVY_SLO_SHARE * CFG.ttft_slo_s)
     assert heavy_uncached_s(dataclasses.replace(CFG, heavy_uncached_s=0.1)) == 0.1
+
+
+def test_medium_work_well_within_the_slo_stays_off_the_short_pool():
+    """Rule A2: work above the heavy threshold but well within the SLO (here 1.5x the threshold, under
+    half the SLO) is heavy: it waits behind the pre-prefill queue while that still meets the SLO
+    rather than lengthen the prefill pool's queue of short work (each request queued after it there
+    would wait its whole own work). Work under the threshold is short and takes the prefill pool."""
+    rate = COST.prefill_tokens_per_s
+    thr = heavy_uncached_s(CFG)
+    medium, small = int(1.5 * thr * rate), int(0.8 * thr * rate)  # no cache: own_s = tokens / rate
+    assert thr < medium / rate < 0.5 * CFG.ttft_slo_s
+    ws = _cluster(pp=(1.0,), p=(0.2, 0.2))  # a heavy prefill queued on pre-prefill, short work on prefill
+    d = route(medium, PrefixMatch(), ws, CFG, COST)
+    assert (d.request_class, d.pool, d.reason) == (RequestClass.COLD, Role.PRE_PREFILL, DecisionReason.HOME)
+    assert d.estimated_ttft_s <= CFG.ttft_slo_s
+    d = route(small, PrefixMatch(), ws, CFG, COST)
+    assert (d.request_class, d.pool, d.reason) == (RequestClass.WARM, Role.PREFILL, DecisionReason.HOME)
 
 
 def test_queued_work_counts_the_plan_s_loads_like_compute():

@@ -4,6 +4,7 @@ import typer
 from typer.testing import CliRunner
 
 from cpd.analyze.cli import analyze
+from cpd.policy.routing import HEAVY_SLO_SHARE
 from tests.conftest import TRACE
 
 
@@ -111,7 +112,7 @@ def test_analyze_recommendation_on_a_trace_slice(tmp_path):
     assert set(sat) == {"pd", "cpd"} and all(x is not None for x in sat.values())
     assert sat[rec["choice"]["config"]] == max(sat.values())
     assert rec["choice"]["separated"] is False and "not separated" in rec["choice"]["why"]  # one seed: no interval
-    assert rec["slo"]["ttft_s"] == 1.5 and rec["classes"]["heavy_uncached_s"] == 0.75
+    assert rec["slo"]["ttft_s"] == 1.5 and rec["classes"]["heavy_uncached_s"] == pytest.approx(HEAVY_SLO_SHARE * 1.5)
     assert rec["budget"]["points"] >= len(sat) and rec["budget"]["requests"] > 0
     pools = rec["pools"]
     assert pools["pre-prefill"] + pools["prefill"] == rec["nodes"]["prefill_side_workers"] == 2

@@ -9,7 +9,7 @@ import pytest
 from cpd.analyze.recommend import (Settled, choose, class_work, cpd_verdict, decode_nodes, planner_settles,
                                    serve_flags, split_prefill_side)
 from cpd.policy.roles import PlannerConfig
-from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.policy.routing import HEAVY_SLO_SHARE, LinearCostModel, RoutingConfig
 from cpd.types import RoutingMode
 
 PCFG = PlannerConfig()
@@ -60,10 +60,11 @@ def test_planner_from_one_pre_prefill_moves_towards_the_split_with_reasons():
 
 
 def test_class_work_matches_the_policy_threshold():
-    """Heavy = uncached compute on the prefix holder above half the TTFT SLO (LinearCostModel:
-    1000 tokens/s, so a request's own work is its uncached tokens / 1000)."""
+    """Heavy = uncached compute on the prefix holder above HEAVY_SLO_SHARE of the TTFT SLO (LinearCostModel:
+    1000 tokens/s, so a request's own work is its uncached tokens / 1000; the SLO is chosen so the
+    threshold is 0.5 s)."""
     cost = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000.0)
-    cfg = RoutingConfig(mode=RoutingMode.ADAPTIVE, ttft_slo_s=1.0, block_size=16)
+    cfg = RoutingConfig(mode=RoutingMode.ADAPTIVE, ttft_slo_s=0.5 / HEAVY_SLO_SHARE, block_size=16)
     prompts = [2000, 3200, 160, 4000, 640]
     cached = [0, 3200, 0, 3520, 320]   # 3200 fully cached: at least one token is computed (last block)
     cw = class_work(prompts, cached, cfg, cost)
@@ -75,7 +76,8 @@ def test_class_work_matches_the_policy_threshold():
     c, w = cw.rates(10.0)
     assert c == pytest.approx(cw.cold_work_s / 5 * 10) and w == pytest.approx(cw.warm_work_s / 5 * 10)
     # a tighter SLO halves the threshold and turns the 0.48 s and 0.32 s requests heavy too
-    tight = class_work(prompts, cached, RoutingConfig(mode=RoutingMode.ADAPTIVE, ttft_slo_s=0.5, block_size=16), cost)
+    tight = class_work(prompts, cached, RoutingConfig(mode=RoutingMode.ADAPTIVE, ttft_slo_s=0.25 / HEAVY_SLO_SHARE,
+                                                      block_size=16), cost)
     assert tight.num_heavy == sum(o > 0.25 for o in own) == 3
 
 
