@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from cpd.engine.connector import EventSink, KVConnector
-from cpd.engine.executor import Executor, ForwardSeq
+from cpd.engine.executor import Executor, ForwardSeq, TokenHistory
 from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
 from cpd.engine.kv_pool import KVPool
@@ -274,19 +274,33 @@ class Engine:
         Rules: every id is an integer (``operator.index``: ints, numpy / torch integers; a float,
         string or None is refused); at least one id; each in ``[0, vocab_size)``; shorter than
         ``max_model_len``; ``sampling`` is a :class:`SamplingParams`. Raises ValueError
-        (TypeError for ``sampling``)."""
-        try:
-            toks = list(map(operator.index, tokens))  # exact ints
-        except TypeError:
-            raise ValueError("prompt_token_ids must be integers") from None
-        if not toks:
-            raise ValueError("prompt_token_ids must not be empty")
-        u32 = self._check_ids(toks)
+        (TypeError for ``sampling``). A 1-D numpy integer array is checked and converted in C
+        (:meth:`_array_ids`: one min/max, one ``tolist``), not id by id."""
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 1 and tokens.dtype.kind in "iu":
+            toks, u32 = self._array_ids(tokens)
+        else:
+            try:
+                toks = list(map(operator.index, tokens))  # exact ints
+            except TypeError:
+                raise ValueError("prompt_token_ids must be integers") from None
+            if not toks:
+                raise ValueError("prompt_token_ids must not be empty")
+            u32 = self._check_ids(toks)
         if len(toks) >= self.max_model_len:
             raise ValueError(f"prompt of {len(toks)} tokens does not fit max_model_len={self.max_model_len}")
         if not isinstance(sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")
         return toks, u32
+
+    def _array_ids(self, ids: np.ndarray) -> tuple[list[int], bytes]:
+        """:meth:`_validate`'s ids and u32le bytes of a 1-D numpy integer array (the same rules,
+        the same errors as for a list: empty, or an id outside ``[0, vocab_size)``)."""
+        if ids.size == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if (ids.dtype.kind == "i" and int(ids.min()) < 0) or int(ids.max()) >= min(self.vocab_size, 1 << 32):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        toks: list[int] = ids.tolist()
+        return toks, ids.astype("<u4", copy=False).tobytes()
 
     def _check_ids(self, toks: list[int]) -> bytes:
         """u32le bytes of ``toks`` (a list of ints); ValueError unless every id is in
@@ -904,13 +918,14 @@ class Engine:
 
     def _sample_tokens(self, logits: Any, sreqs: list[_Req]) -> list[int | BaseException]:
         """One token per sampling request, or the exception its sampling raised."""
-        if all(r.sampling.temperature == 0 for r in sreqs) and not self._faults.active:
+        histories = [self._history(r) for r in sreqs]
+        if all(r.sampling.temperature == 0 for r in sreqs) and not any(histories) and not self._faults.active:
             return list(self.executor.greedy_tokens(logits))  # all greedy: one argmax, one sync
         out: list[int | BaseException] = []
-        for row, r in enumerate(sreqs):
+        for row, (r, h) in enumerate(zip(sreqs, histories)):
             try:
                 self._faults.check_sample(r.sampling.seed)
-                out.append(self.executor.sample_token(logits, row, r.sampling, r.num_output))
+                out.append(self.executor.sample_token(logits, row, r.sampling, r.num_output, h))
             except Exception as e:  # this request's sampling only
                 out.append(e)
         return out
@@ -965,12 +980,21 @@ class Engine:
                 self.executor.idle()
         return outputs
 
+    @staticmethod
+    def _history(r: _Req) -> TokenHistory | None:
+        """What ``r``'s next token depends on besides the logits (None: nothing): its tokens for
+        the penalties, its stop ids while ``min_tokens`` is not reached."""
+        banned = r.stop_ids if r.num_output < r.sampling.min_tokens else frozenset()
+        if not banned and not r.sampling.uses_history:
+            return None
+        return TokenHistory(r.tokens, r.prompt_len, frozenset(banned))
+
     def _append_token(self, r: _Req, tok: int) -> tuple[StepOutput, str | None]:
         """Add a sampled token to a request; returns its output and finish reason (or None)."""
         r.tokens.append(tok)
         r.num_output += 1
         reason = None
-        if tok in r.stop_ids:
+        if tok in r.stop_ids and r.num_output > r.sampling.min_tokens:
             reason = "stop"
         elif r.num_output >= r.sampling.max_tokens or len(r.tokens) >= self.max_model_len:
             reason = "length"

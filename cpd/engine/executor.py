@@ -13,10 +13,21 @@ This module has no torch import (a modeled worker never imports torch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from cpd.engine.kv_arrays import KVArrays
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """What sampling may depend on besides the logits: the request's tokens so far
+    (``token_ids[:prompt_len]`` the prompt, the rest its output; read-only) and the ids that
+    may not be sampled now (the stop ids while ``min_tokens`` is not reached)."""
+
+    token_ids: Sequence[int] = ()
+    prompt_len: int = 0
+    banned_ids: frozenset[int] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True)
@@ -83,8 +94,10 @@ class Executor(Protocol):
     def greedy_tokens(self, logits: Any) -> list[int]:
         """Greedy token of every row."""
 
-    def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
-        """The token of one row under ``params`` (a :class:`~cpd.engine.sampling.SamplingParams`)."""
+    def sample_token(self, logits: Any, row: int, params: Any, output_index: int,
+                     history: TokenHistory | None = None) -> int:
+        """The token of one row under ``params`` (a :class:`~cpd.engine.sampling.SamplingParams`)
+        and the request's ``history`` (penalties, banned ids)."""
 
     def idle(self) -> None:
         """No sequence is running any more: release per-sequence state kept between steps

@@ -159,8 +159,9 @@ class ModeledExecutor:
     def greedy_tokens(self, logits: Any) -> list[int]:
         return list(logits)
 
-    def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
-        return int(logits[row])
+    def sample_token(self, logits: Any, row: int, params: Any, output_index: int,
+                     history: Any = None) -> int:
+        return int(logits[row])  # pseudo tokens: sampling settings do not apply
 
     def idle(self) -> None:
         """Nothing kept between steps."""

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cpd.engine.executor import ForwardSeq, KVLayout
+from cpd.engine.executor import ForwardSeq, KVLayout, TokenHistory
 from cpd.engine.kv_arrays import TorchKVArrays
 from cpd.engine.model import SeqBatchInfo, build_metadata
 from cpd.engine.sampling import greedy_tokens, sample
@@ -69,8 +69,9 @@ class TorchExecutor:
     def greedy_tokens(self, logits: Any) -> list[int]:
         return greedy_tokens(logits)
 
-    def sample_token(self, logits: Any, row: int, params: Any, output_index: int) -> int:
-        return sample(logits[row], params, output_index, self._gen)
+    def sample_token(self, logits: Any, row: int, params: Any, output_index: int,
+                     history: TokenHistory | None = None) -> int:
+        return sample(logits[row], params, output_index, self._gen, history)
 
     def idle(self) -> None:
         """Release the contiguous KV rows (nothing is running)."""

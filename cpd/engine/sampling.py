@@ -1,7 +1,11 @@
 """Sampling parameters and token sampling.
 
-Greedy when ``temperature == 0``; otherwise temperature scaling, optional top-k and
-top-p (nucleus) filtering, then a draw from the softmax. With a ``seed`` the draw
+Logits are adjusted first (:func:`adjust_logits`): repetition, presence and frequency
+penalties over the tokens so far, and the stop ids masked while fewer than ``min_tokens``
+tokens were generated. Then greedy when ``temperature == 0``; otherwise temperature scaling,
+optional top-k, top-p (nucleus) and min-p filtering, then a draw from the softmax. The
+adjustments depend only on the request's own tokens, so every path (one engine, or prefill
+here and decode after a handoff) picks the same token. With a ``seed`` the draw
 for the ``i``-th generated token uses a fresh ``torch.Generator`` seeded from
 ``(seed, i)``, so a seeded request gives the same tokens whatever path it takes
 (one engine, or prefill on one engine and decode on another after a handoff).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from cpd.engine.executor import TokenHistory
 from cpd.messages.sampling import SamplingParams  # the one sampling type (re-exported)
 
 
@@ -46,6 +51,35 @@ def _clean_logits(logits: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def adjust_logits(x: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """Penalties and banned ids applied to cleaned float64 logits ``x`` (a new tensor). A ban
+    that would leave no possible token leaves the allowed tokens equally likely instead."""
+    vocab = x.shape[-1]
+    if params.uses_history and history.token_ids:
+        ids = torch.as_tensor(history.token_ids, dtype=torch.int64)
+        ids = ids[(ids >= 0) & (ids < vocab)]
+        out_ids = ids[history.prompt_len:] if history.prompt_len <= len(history.token_ids) else ids[:0]
+        x = x.clone()
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+            p = params.repetition_penalty
+            x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+        if out_ids.numel() and (params.presence_penalty or params.frequency_penalty):
+            counts = torch.bincount(out_ids, minlength=vocab).to(torch.float64)
+            x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+        x = _clean_logits(x)  # an extreme penalty may overflow to ±inf: the cleaning rules again
+    banned = [t for t in history.banned_ids if 0 <= t < vocab]
+    if banned:
+        x = x.index_fill(0, torch.as_tensor(banned, dtype=torch.int64), float("-inf"))
+        if not bool(torch.isfinite(x).any()):
+            x = torch.zeros_like(x).index_fill_(0, torch.as_tensor(banned, dtype=torch.int64), float("-inf"))
+    return x
+
+
+def needs_adjusting(params: SamplingParams, history: TokenHistory | None) -> bool:
+    return history is not None and (params.uses_history or bool(history.banned_ids))
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Argmax of each row of ``[n, vocab_size]`` logits, NaN counting as ``-inf`` (the same
     token :func:`sample` picks at temperature 0)."""
@@ -54,7 +88,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
-           generator: torch.Generator | None = None) -> int:
+           generator: torch.Generator | None = None, history: TokenHistory | None = None) -> int:
     """Pick the next token.
 
     Args:
@@ -63,12 +97,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
         output_index: index of the token being generated (0 = first output token);
             used with ``params.seed``.
         generator: CPU generator used when ``params.seed`` is None.
+        history: the request's tokens and banned ids (penalties, ``min_tokens``); None: none.
     Returns:
         A token id in ``[0, vocab_size)``.
     """
-    if params.temperature == 0:
+    adjust = needs_adjusting(params, history)
+    if params.temperature == 0 and not adjust:
         return greedy_tokens(logits.reshape(1, -1))[0]
     x = _clean_logits(logits)
+    if adjust:
+        x = adjust_logits(x, params, history)
+    if params.temperature == 0:
+        return int(x.argmax().item())
     x = (x - x.max()) / params.temperature  # max → 0, others ≤ 0 or -inf: never inf/NaN
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
@@ -81,6 +121,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
         drop[0] = False
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)  # the max always stays
     if params.seed is not None:
         generator = torch.Generator().manual_seed(_mix_seed(params.seed, output_index))
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -35,6 +35,18 @@ class SamplingParams:
             (any finite positive value, however small, is safe).
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 (or ≥ vocabulary size) disables.
+        min_p: drop tokens whose probability is below ``min_p`` × the most likely token's;
+            0 disables (vLLM's ``min_p``).
+        repetition_penalty: > 0; a token that occurs in the prompt or the output so far has its
+            logit divided by it where positive, multiplied where negative; 1 disables
+            (vLLM/transformers semantics).
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in
+            the output so far (OpenAI semantics).
+        frequency_penalty: in [-2, 2]; subtracted once per occurrence in the output so far
+            (OpenAI semantics).
+        min_tokens: the stop token ids (EOS included) cannot be sampled before this many
+            tokens were generated, and stop strings do not end the output before it (vLLM);
+            at most ``max_tokens``.
         seed: any integer, makes sampling reproducible whatever path the request takes (:mod:`cpd.engine.sampling`); None → engine RNG.
         max_tokens: most tokens to generate (≥ 1).
         ignore_eos: do not stop on the model's EOS ids.
@@ -47,6 +59,11 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
     seed: int | None = None
     max_tokens: int = 16
     ignore_eos: bool = False
@@ -57,6 +74,11 @@ class SamplingParams:
         top_p = _finite_real("top_p", self.top_p)
         top_k = _integer("top_k", self.top_k)
         max_tokens = _integer("max_tokens", self.max_tokens)
+        min_p = _finite_real("min_p", self.min_p)
+        repetition_penalty = _finite_real("repetition_penalty", self.repetition_penalty)
+        presence_penalty = _finite_real("presence_penalty", self.presence_penalty)
+        frequency_penalty = _finite_real("frequency_penalty", self.frequency_penalty)
+        min_tokens = _integer("min_tokens", self.min_tokens)
         seed = None if self.seed is None else _integer("seed", self.seed)
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
@@ -66,11 +88,27 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not 0 <= min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
         stop_ids = tuple(_integer("stop_token_ids[]", t) for t in self.stop_token_ids)
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                            ("max_tokens", max_tokens), ("seed", seed), ("ignore_eos", bool(self.ignore_eos)),
+                            ("min_p", min_p), ("repetition_penalty", repetition_penalty),
+                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                            ("min_tokens", min_tokens), ("max_tokens", max_tokens), ("seed", seed), ("ignore_eos", bool(self.ignore_eos)),
                             ("stop_token_ids", stop_ids)):
             object.__setattr__(self, name, value)
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling depends on the tokens so far (a penalty is set)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 __all__ = ["SamplingParams"]

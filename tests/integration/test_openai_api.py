@@ -255,6 +255,35 @@ def test_completion_token_prompts(client, be, tok):
     assert req.sampling.ignore_eos is True and list(req.sampling.stop_token_ids) == [5, 6]
 
 
+def test_vllm_sampling_options_reach_the_backend(client, http, be):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=9, presence_penalty=0.5, frequency_penalty=-0.25,
+                              extra_body={"top_k": 40, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 3})
+    sp = be.requests[-1].sampling
+    assert (sp.top_k, sp.min_p, sp.repetition_penalty, sp.min_tokens) == (40, 0.1, 1.1, 3)
+    assert (sp.presence_penalty, sp.frequency_penalty) == (0.5, -0.25)
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"top_k": -1})
+    assert be.requests[-1].sampling.top_k == 0  # -1 (vLLM) disables, as 0 does
+    n = len(be.requests)
+    for body, param in (({"min_tokens": 10, "max_tokens": 5}, "min_tokens"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": -0.1}, "min_p"),
+                        ({"top_k": -2}, "top_k"), ({"frequency_penalty": "1"}, "frequency_penalty")):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert len(be.requests) == n  # refused before reaching the backend
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_defers_stop_strings(client, be, stream):
+    be.reply_text = "alpha STOP beta STOP gamma"
+    k = len(be.tok.hf.encode("alpha STOP", add_special_tokens=False))
+    kw = dict(model=MODEL, prompt="x", max_tokens=100, stop=["STOP"], extra_body={"min_tokens": k})
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    else:
+        text = client.completions.create(**kw).choices[0].text
+    assert text == "alpha STOP beta "  # the first STOP lies within min_tokens, the second ends it
+
+
 def test_chat_non_streaming(client, be, tok):
     msgs = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]},

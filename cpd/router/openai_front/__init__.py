@@ -45,6 +45,7 @@ field missing or of the wrong type (``param`` = field)      400     invalid_requ
 empty prompt / no messages / batched prompts                400     invalid_request_error
 token id not an int or outside ``[0, vocab_size)``          400     invalid_request_error
 ``max_tokens`` < 1, temperature ∉ [0, 2], top_p ∉ (0, 1]    400     invalid_request_error
+penalty ∉ [-2, 2], min_p ∉ [0, 1], min_tokens > max_tokens     400     invalid_request_error
 unsupported option (``n``≠1, ``logprobs``, ``echo``...)     400     invalid_request_error
 prompt tokens > ``max_model_len``                           400     invalid_request_error / context_length_exceeded
 prompt + ``max_tokens`` > ``max_model_len``                 400     invalid_request_error / context_length_exceeded

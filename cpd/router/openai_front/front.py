@@ -164,7 +164,14 @@ class OpenAIFront:
                           f"length of the {prompt_param} or completion.",
                           mt_param, "context_length_exceeded")
 
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({min_tokens}) must be at most {mt_param} ({max_tokens})", "min_tokens")
         sampling = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
+                                  top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0,
+                                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0, min_tokens=min_tokens,
                                   seed=req.seed, ignore_eos=bool(req.ignore_eos),
                                   stop_token_ids=tuple(stop_ids))
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -198,7 +205,7 @@ class OpenAIFront:
 
     async def _complete(self, request: Request, p: Prepared, greq: GenerationRequest,
                         chat: bool) -> Response:
-        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens)
+        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens, p.sampling.min_tokens)
 
         async def run() -> str:
             parts: list[str] = []
@@ -238,7 +245,7 @@ class OpenAIFront:
 
     async def _stream(self, request: Request, p: Prepared, greq: GenerationRequest,
                       chat: bool) -> Response:
-        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens)
+        state = TextState(self.tokenizer, p.stops, p.sampling.max_tokens, p.sampling.min_tokens)
         agen = self.backend.generate(greq)
         aiter_ = agen.__aiter__()
         # Wait for the first chunk before committing to a 200, so that a BackendError raised

@@ -67,8 +67,12 @@ class CommonRequest(BaseModel):
     user: Any = None
     logprobs: Any = Field(None, description="unsupported")
     top_logprobs: Any = Field(None, description="unsupported")
-    presence_penalty: Optional[StrictFloat] = Field(None, description="unsupported: only 0")
-    frequency_penalty: Optional[StrictFloat] = Field(None, description="unsupported: only 0")
+    presence_penalty: Optional[Annotated[StrictFloat, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]] = None
+    frequency_penalty: Optional[Annotated[StrictFloat, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]] = None
+    top_k: Optional[Annotated[StrictInt, Field(ge=-1)]] = Field(None, description="vLLM extension: -1 or 0 disables")
+    min_p: Optional[Annotated[StrictFloat, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = None  # vLLM extension
+    repetition_penalty: Optional[Annotated[StrictFloat, Field(gt=0.0, allow_inf_nan=False)]] = None  # vLLM
+    min_tokens: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # vLLM extension
     logit_bias: Any = Field(None, description="unsupported")
 
 

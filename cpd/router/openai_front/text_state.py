@@ -15,10 +15,11 @@ log = logging.getLogger("cpd.router.openai_front")
 class TextState:
     """Per-request output state: token count, detokenizer, stop strings, finish reason."""
 
-    def __init__(self, tok: Tokenizer, stops: list[str], max_tokens: int):
+    def __init__(self, tok: Tokenizer, stops: list[str], max_tokens: int, min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tok)
         self.stopper = StopStringMatcher(stops)
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens  # text of the first min_tokens tokens is never matched (vLLM)
         self.completion_tokens = 0
         self.token_ids: list[int] = []  # every generated id counted in completion_tokens
         self.cached_tokens: int | None = None
@@ -35,9 +36,12 @@ class TextState:
         if len(ids) > room:           # backend overshot max_tokens: cut it off
             ids = ids[:max(room, 0)]
             finish = "length"
+        exempt = ids[:max(0, self.min_tokens - self.completion_tokens)]
         self.completion_tokens += len(ids)
         self.token_ids.extend(ids)
-        out, stopped = self.stopper.feed(self.detok.push(ids))
+        head = self.detok.push(exempt) if exempt else ""
+        out, stopped = self.stopper.feed(self.detok.push(ids[len(exempt):]))
+        out = head + out
         if stopped:
             self.finish_reason = "stop"
             return out
@@ -53,6 +57,10 @@ class TextState:
         return self._finish("length" if self.completion_tokens >= self.max_tokens else "stop")
 
     def _finish(self, reason: str) -> str:
+        if self.completion_tokens <= self.min_tokens:
+            rest = self.detok.flush()
+            self.finish_reason = reason if reason in ("stop", "length") else "stop"
+            return rest + self.stopper.flush()
         out, stopped = self.stopper.feed(self.detok.flush())
         if stopped:
             self.finish_reason = "stop"

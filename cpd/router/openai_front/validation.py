@@ -56,10 +56,6 @@ def check_unsupported(req: CommonRequest, chat: bool) -> None:
         raise invalid("logprobs are not supported", "logprobs")
     if req.top_logprobs is not None:
         raise invalid("top_logprobs are not supported", "top_logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v is not None and v != 0:
-            raise invalid(f"{name} is not supported (must be 0)", name)
     if req.logit_bias not in (None, {}):
         raise invalid("logit_bias is not supported", "logit_bias")
     if isinstance(req, CompletionRequest):
