@@ -139,15 +139,23 @@ class PrefixIndex:
                     table.add(_COL.get(ev.medium, 0), local, ev.block_hashes)
                 else:
                     table.remove(_COL.get(ev.medium, 0), local, ev.block_hashes)
+            elif t is BlockStored:  # L3: a chunk became visible (as _apply)
+                self._l3_stored(ev.block_hashes)
             else:
                 self._apply(worker_id, ev)
+
+    def _l3_stored(self, hashes: list[int]) -> None:
+        """A ``BlockStored(L3)``: the chunk joins the L3 view; its blocks are no longer pending."""
+        self._l3.stored(hashes)
+        pending = self._pending
+        if pending:
+            for h in hashes:  # visible now: no longer pending
+                pending.pop(h, None)
 
     def _apply(self, worker_id: str, ev) -> None:
         if isinstance(ev, BlockStored):
             if ev.medium == MEDIUM_L3:
-                self._l3.stored(ev.block_hashes)
-                for h in ev.block_hashes:  # visible now: no longer pending
-                    self._pending.pop(h, None)
+                self._l3_stored(ev.block_hashes)
             else:
                 self._tiers.add(_COL.get(ev.medium, 0), self._bit(worker_id), ev.block_hashes)
         elif isinstance(ev, BlockRemoved):

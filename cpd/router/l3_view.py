@@ -52,7 +52,12 @@ class L3View:
     # --- updates ---------------------------------------------------------------------
     def stored(self, hashes: Sequence[int]) -> None:
         """Apply one ``BlockStored(L3)``."""
-        self._log("stored", (list(hashes),))
+        if self._journal is not None:
+            self._log("stored", (list(hashes),))
+        if self.chunk_blocks is None:  # one chunk per event (nearly all): no cutting
+            if hashes:
+                self._add((int(hashes[-1]), len(hashes)))
+            return
         for key in self._pieces(hashes):
             self._add(key)
 
@@ -160,7 +165,8 @@ class L3View:
 
     def _add(self, key: ChunkKey, learned_at: float | None = None) -> None:
         self._ends.setdefault(key[0], {})[key[1]] = self._clock() if learned_at is None else learned_at
-        self._max_n = max(self._max_n, key[1])
+        if key[1] > self._max_n:
+            self._max_n = key[1]
 
     def _log(self, op: str, args: tuple) -> None:
         if self._journal is not None:

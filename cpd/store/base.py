@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from cpd.store.chunk_format import decode_value, encode_parts, infer_block_size, readable_header_hashes
+from cpd.store.chunk_format import decode_value, encode_chunks, infer_block_size, readable_header_hashes
 from cpd.store.chunk_keys import ChunkKey, candidate_keys, cover, split_chunks
 from cpd.store.errors import CorruptValue, StoreTimeout, StoreUnavailable
 from cpd.store.visibility import EventSink, Observation, ObservationSink, PendingWrite, Visibility
@@ -186,9 +186,7 @@ class KVStore(ABC):
         hs_all = [int(h) for h in block_hashes]
         if skip_existing:
             ranges = self._skip_existing(hs_all, ranges, parent_block_hash, token_ids, bs)
-        items = []
-        for s, e in ranges:
-            items.append(((hs_all[e - 1], e - s), encode_parts(hs_all[s:e], blocks[s:e], bs)))
+        items = list(zip([(hs_all[e - 1], e - s) for s, e in ranges], encode_chunks(hs_all, blocks, ranges, bs)))
         won = self._put_many(items)
         stored = 0
         lost = []
@@ -217,8 +215,13 @@ class KVStore(ABC):
             j = pos_of[last]
             for p in range(max(0, j - m + 1), j + 1):
                 covered[p] = True
-        kept = [(s, e) for s, e in ranges if not all(covered[s:e])]
-        self._bump(blocks_dropped_existing=sum(e - s for s, e in ranges if (s, e) not in kept))
+        kept, dropped = [], 0
+        for s, e in ranges:
+            if all(covered[s:e]):
+                dropped += e - s
+            else:
+                kept.append((s, e))
+        self._bump(blocks_dropped_existing=dropped)
         self.visibility.reannounce(present, hs, parent_block_hash, token_ids, bs)
         return kept
 

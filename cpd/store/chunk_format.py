@@ -41,6 +41,12 @@ def _desc(dtype_str: str, shape: tuple[int, ...]) -> str:
     return f"{dtype_str}:{','.join(str(d) for d in shape)}"
 
 
+@functools.lru_cache(maxsize=256)
+def _desc_bytes(dtype_str: str, shape: tuple[int, ...]) -> bytes:
+    """:func:`block_desc` as the header's UTF-8 bytes (one per distinct dtype and shape)."""
+    return _desc(dtype_str, shape).encode()
+
+
 def parse_desc(desc: str) -> tuple[np.dtype, tuple[int, ...]]:
     dt, _, shp = desc.partition(":")
     shape = tuple(int(x) for x in shp.split(",")) if shp else ()
@@ -78,20 +84,59 @@ def encode_parts(block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
     if n > 0xFFFF:
         raise ValueError("too many blocks in one chunk")
     first = blocks[0]
-    desc = block_desc(first)
+    d = _desc_bytes(first.dtype.str, first.shape)
     for b in blocks[1:]:
         if b.dtype != first.dtype or b.shape != first.shape:
             raise ValueError("all blocks of a chunk must share dtype and shape")
     bs = infer_block_size(first) if block_size is None else int(block_size)
-    d = desc.encode()
-    header = _HDR.pack(MAGIC, VERSION, n, bs, first.nbytes, len(d)) + d + b"".join(
-        _U64.pack(int(h)) for h in block_hashes)
+    header = _HDR.pack(MAGIC, VERSION, n, bs, first.nbytes, len(d)) + d + (
+        _U64.pack(int(block_hashes[0])) if n == 1 else struct.pack(f"<{n}Q", *map(int, block_hashes)))
     views = [_as_bytes_view(b) for b in blocks]
     hx = xxhash.xxh3_64()
     hx.update(header)
     for v in views:
         hx.update(v)
     return [header, *views, _U64.pack(hx.intdigest())]
+
+
+def encode_chunks(block_hashes: Sequence[int], blocks: Sequence[np.ndarray], ranges: Sequence[tuple[int, int]],
+                  block_size: int | None = None) -> list[list[memoryview | bytes]]:
+    """:func:`encode_parts` of the chunks ``blocks[s:e]`` for each ``(s, e)`` of ``ranges`` (the
+    same buffers), in bulk: when every block shares the first's dtype and shape, the header's
+    fixed part is built once per chunk size and each distinct block array is viewed once (a
+    writer that stores the same array under many hashes, e.g. a simulator's prewarm, hashes
+    and joins views of one buffer). Otherwise chunk by chunk (:func:`encode_parts`)."""
+    if not ranges:
+        return []
+    first = blocks[0]
+    dt, shape = first.dtype, first.shape
+    if any(b is not first and (b.dtype != dt or b.shape != shape) for b in blocks):
+        return [encode_parts(block_hashes[s:e], blocks[s:e], block_size) for s, e in ranges]
+    bs = infer_block_size(first) if block_size is None else int(block_size)
+    d = _desc_bytes(dt.str, shape)
+    fixed: dict[int, bytes] = {}
+    views: dict[int, memoryview] = {}  # id(block) -> its bytes (blocks holds every block alive)
+    out = []
+    for s, e in ranges:
+        n = e - s
+        if n <= 0 or n > 0xFFFF:
+            raise ValueError(f"a chunk needs 1..65535 blocks (got {n})")
+        pre = fixed.get(n)
+        if pre is None:
+            pre = fixed[n] = _HDR.pack(MAGIC, VERSION, n, bs, first.nbytes, len(d)) + d
+        header = pre + (_U64.pack(int(block_hashes[s])) if n == 1
+                        else struct.pack(f"<{n}Q", *map(int, block_hashes[s:e])))
+        hx = xxhash.xxh3_64(header)
+        parts: list[memoryview | bytes] = [header]
+        for b in blocks[s:e]:
+            v = views.get(id(b))
+            if v is None:
+                v = views[id(b)] = _as_bytes_view(b)
+            hx.update(v)
+            parts.append(v)
+        parts.append(_U64.pack(hx.intdigest()))
+        out.append(parts)
+    return out
 
 
 def encode_value(block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
@@ -142,13 +187,14 @@ def decode_value(buf, expect_last: int | None = None, expect_n: int | None = Non
         raise CorruptValue(f"bad desc: {e}") from None
     if nbytes != bnb:
         raise CorruptValue("desc does not match block size")
-    hashes = list(struct.unpack_from(f"<{n}Q", mv, _HDR.size + dlen))
+    hashes = ([_U64.unpack_from(mv, _HDR.size + dlen)[0]] if n == 1
+              else list(struct.unpack_from(f"<{n}Q", mv, _HDR.size + dlen)))
     if expect_last is not None and hashes[-1] != expect_last:
         raise CorruptValue("key/header hash mismatch")
     if expect_n is not None and n != expect_n:
         raise CorruptValue("key/header size mismatch")
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    blocks = [arr[hdr_len + i * bnb: hdr_len + (i + 1) * bnb].view(dtype).reshape(shape) for i in range(n)]
+    # one ndarray over the value's bytes per block (a simulated L3 load decodes one per block)
+    blocks = [np.ndarray(shape, dtype, mv, hdr_len + i * bnb) for i in range(n)]
     return DecodedChunk(hashes, bs, blocks, bytes(mv[total - 8:]))
 
 

@@ -38,6 +38,13 @@ def cover(present: dict[ChunkKey, bool], block_hashes: Sequence[int], chunk_bloc
     """Longest run of leading blocks covered by present chunks, and a minimal chain of chunks
     covering it as ``(start_pos, end_pos_inclusive, key)``; ``start_pos`` may be negative (the
     chunk begins before the first requested block)."""
+    if chunk_blocks == 1:  # one chunk per block: the chain is the run of present blocks
+        chain1 = []
+        for j, h in enumerate(block_hashes):
+            if not present.get((h, 1)):
+                break
+            chain1.append((j, j, (h, 1)))
+        return len(chain1), chain1
     intervals = []
     for j, h in enumerate(block_hashes):
         for n in range(1, chunk_blocks + 1):

@@ -6,6 +6,8 @@ with no I/O: ALLOCATED = a staging buffer is created; WRITING = bytes are append
 SEALED+VISIBLE = the whole value is put under its key if the key is absent (first sealer
 wins, under one lock). Clients opened with the same ``NAME`` in one process share the data
 (several engines of one process, the simulator, tests); other processes do not see it.
+:meth:`KVStore.put_blocks` has every value whole and seals each in one step (put-if-absent of
+the joined value, as Redis's ``SET NX``); :meth:`MemStore.begin_write` stages part by part.
 
 Capacity (``capacity_bytes > 0``): exact LRU over visible chunks (reads refresh recency),
 enforced after every write; each eviction publishes ``BlockRemoved`` naming every block of the
@@ -109,14 +111,22 @@ class MemStore(KVStore):
         return out
 
     def _put_many(self, items: list[tuple[ChunkKey, list]]) -> list[bool]:
+        """Whole values in hand: each is joined once and sealed at once, put-if-absent under
+        the space's lock (first sealer wins), as Redis's ``SET NX`` collapses WRITING and
+        SEALED into one step; no staging buffer (:meth:`begin_write` keeps the staged state
+        machine for writers that write part by part). :meth:`KVStore.put_blocks` announces."""
+        sp = self._sp
         res = []
-        for key, parts in items:
-            if key in self._sp.chunks:
-                res.append(False)
-                continue
-            w = _MemWrite(self, key, header_hashes(parts[0]) or [key[0]], parts)
-            w.write(1.0)
-            res.append(w.seal(announce=False))  # put_blocks announces, with parent and tokens
+        with sp.lock:
+            for key, parts in items:
+                if key in sp.chunks:
+                    res.append(False)
+                    continue
+                value = b"".join(parts)
+                # a one-block chunk's header names exactly its key's hash (put_blocks built both)
+                sp.chunks[key] = (value, [key[0]] if key[1] == 1 else header_hashes(parts[0]) or [key[0]])
+                sp.bytes += len(value)
+                res.append(True)
         if self.capacity_bytes and any(res):
             self.evict_to(self.capacity_bytes)
         return res
