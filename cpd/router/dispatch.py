@@ -501,7 +501,8 @@ class CPDBackend:
         the prefill always ends in a handoff."""
         self.metrics.fallbacks.labels("handoff_reprefill").inc()
         run.reprefills += 1
-        sampling = replace(run.req.sampling, max_tokens=2, temperature=0.0, ignore_eos=True, stop_token_ids=())
+        sampling = replace(run.req.sampling, max_tokens=2, min_tokens=0, temperature=0.0, ignore_eos=True,
+                           stop_token_ids=())  # every field whose validity depends on max_tokens reset
         pre = await self._prefill_with_retry(run, sampling)
         if pre.handoff is None:
             raise BackendError("re-prefill ended without a handoff", 502, "server_error")

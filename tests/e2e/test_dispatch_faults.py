@@ -92,13 +92,13 @@ def _post(dep, prompt, max_tokens=MAX_TOKENS, **extra) -> httpx.Response:
 class _Async:
     """Send one completion in a thread; ``result()`` joins it."""
 
-    def __init__(self, dep, prompt, max_tokens=MAX_TOKENS):
+    def __init__(self, dep, prompt, max_tokens=MAX_TOKENS, **extra):
         self.t0 = time.time()
         self.resp: httpx.Response | None = None
         self.elapsed_s = None
 
         def run():
-            self.resp = _post(dep, prompt, max_tokens)
+            self.resp = _post(dep, prompt, max_tokens, **extra)
             self.elapsed_s = time.time() - self.t0
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
@@ -152,7 +152,7 @@ def test_late_handoff_after_reclaim_and_restage_is_never_decoded(dep, tiny_model
     for w in decoders:
         _signal(w, signal.SIGSTOP)
     try:
-        ra = _Async(dep, a)
+        ra = _Async(dep, a, min_tokens=MAX_TOKENS)  # the re-prefill's own sampling must stay valid
         _wait_staged(dep, staged0 + 1)
         time.sleep(RECLAIM_S + 0.3)  # A's staging is now past its lifetime
         rb = [_Async(dep, b), _Async(dep, b)]  # one per prefill worker: one lands on A's region
