@@ -10,22 +10,21 @@ import torch
 from cpd.engine.engine import Engine, EngineRequest
 from cpd.engine.executor import TokenHistory
 from cpd.engine.sampling import SamplingParams, adjust_logits, sample
-from cpd.engine.weights import make_tiny_llama_dir
 
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "m", seed=5)
+@pytest.fixture
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture
-def make_engine(model_dir):
+def make_engine(tiny_model_dir):
     engines: list[Engine] = []
 
     def make() -> Engine:
-        e = Engine(model_dir, num_blocks=64, block_size=BS)
+        e = Engine(tiny_model_dir, num_blocks=64, block_size=BS)
         engines.append(e)
         return e
 
