@@ -20,7 +20,7 @@ import numpy as np
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.kv.events import MEDIUM_L3, BlockStored, KVEventBatch
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import L3Observation, PrefillResponse, encode
+from cpd.messages.worker_api import L3Observation, PrefillLine, PrefillResponse, encode
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router.dispatch import CPDBackend, _Run
 from cpd.router.estimates import CostEstimates
@@ -68,7 +68,8 @@ def _prefill(answer_delay_s: float, observation: L3Observation, announce_after_s
         await asyncio.sleep(answer_delay_s - announce_after_s)
         ans = PrefillResponse(first_token_ids=[1], finish_reason="length", prefill_s=0.01,
                               l3_observations=[observation])
-        return httpx.Response(200, content=encode(ans))
+        return httpx.Response(200, content=encode(PrefillLine(answer=ans)) + b"\n",  # the streamed answer line
+                              headers={"content-type": "application/x-ndjson"})
 
     async def main() -> None:
         b = box["b"] = _backend(httpx.MockTransport(worker))
