@@ -53,7 +53,9 @@ def _clean_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def adjust_logits(x: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
     """Penalties and banned ids applied to cleaned float64 logits ``x`` (a new tensor). A ban
-    that would leave no possible token leaves the allowed tokens equally likely instead."""
+    that would leave no possible token leaves the allowed tokens equally likely instead; a ban
+    of every id (every id a stop id under ``min_tokens``) cannot hold and is not applied (the
+    engine still does not stop before ``min_tokens``)."""
     vocab = x.shape[-1]
     if params.uses_history and history.token_ids:
         ids = torch.as_tensor(history.token_ids, dtype=torch.int64)
@@ -70,9 +72,12 @@ def adjust_logits(x: torch.Tensor, params: SamplingParams, history: TokenHistory
         x = _clean_logits(x)  # an extreme penalty may overflow to ±inf: the cleaning rules again
     banned = [t for t in history.banned_ids if 0 <= t < vocab]
     if banned:
-        x = x.index_fill(0, torch.as_tensor(banned, dtype=torch.int64), float("-inf"))
-        if not bool(torch.isfinite(x).any()):
-            x = torch.zeros_like(x).index_fill_(0, torch.as_tensor(banned, dtype=torch.int64), float("-inf"))
+        ids = torch.as_tensor(banned, dtype=torch.int64)
+        kept = x.index_fill(0, ids, float("-inf"))
+        if not bool(torch.isfinite(kept).any()):
+            kept = torch.zeros_like(x).index_fill_(0, ids, float("-inf"))
+        if bool(torch.isfinite(kept).any()):  # else every id is banned: keep x as it is
+            x = kept
     return x
 
 

@@ -109,6 +109,43 @@ def test_extreme_accepted_sampling_values_are_served_beside_greedy(dep, oracle):
     assert httpx.get(f"{dep.url}/health", timeout=5).status_code == 200
 
 
+VOCAB_SIZE = 49152  # the SmolLM2 tokenizer's, which the tiny model uses
+ALL_STOP = {"stop_token_ids": list(range(VOCAB_SIZE)), "min_tokens": 3}  # every id is a stop id: the ban cannot hold
+OPTION_EXTREMES = [
+    {"temperature": 1.0, "seed": 5, **ALL_STOP},
+    {"temperature": 1e-300, "seed": 6, **ALL_STOP},
+    {"temperature": 0.0, **ALL_STOP},
+    {"temperature": 2.0, "seed": 7, "repetition_penalty": 1e300, "presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"temperature": 2.0, "seed": 8, "repetition_penalty": 5e-324, "top_k": 2 ** 62, "min_p": 1.0},
+    {"temperature": 0.5, "seed": 9, "top_k": 1, "min_p": 0.0, "min_tokens": MAX_TOKENS, "ignore_eos": False},
+]
+
+
+def test_extreme_sampling_options_are_served_beside_greedy(dep, oracle):
+    """penalties, top_k, min_p, min_tokens at their accepted extremes: 200 for each (never a
+    server error), the greedy neighbours keep their oracle tokens. Every id a stop id with
+    min_tokens: the ban cannot hold, so the first min_tokens tokens are the model's own
+    (greedy: the oracle's) and the next one, a stop id, ends the output."""
+    greedy = [random_prompt(310 + i, 40 + 9 * i) for i in range(3)]
+    extreme_prompt = greedy[0]
+    with ThreadPoolExecutor(len(greedy) + len(OPTION_EXTREMES)) as pool:
+        g = [pool.submit(_post, dep, p) for p in greedy]
+        x = [pool.submit(_post, dep, extreme_prompt, **s) for s in OPTION_EXTREMES]
+        greedy_out = [f.result() for f in g]
+        extreme_out = [f.result() for f in x]
+    for p, r in zip(greedy, greedy_out):
+        assert _tokens(r) == oracle(p)
+    for s, r in zip(OPTION_EXTREMES, extreme_out):
+        toks = _tokens(r)  # 200 for every accepted value
+        if "stop_token_ids" in s:
+            assert len(toks) == s["min_tokens"] + 1 and r.json()["choices"][0]["finish_reason"] == "stop", s
+            if s["temperature"] < 1e-200:
+                assert toks == oracle(extreme_prompt)[:len(toks)], s
+        else:
+            assert len(toks) == MAX_TOKENS, s
+    assert set(_worker_health(dep).values()) == {200}
+
+
 def test_request_failing_in_sampling_fails_alone(dep, oracle):
     prompts = [random_prompt(400 + i, 50 + 5 * i) for i in range(4)]
     with ThreadPoolExecutor(6) as pool:

@@ -68,6 +68,20 @@ def test_banned_ids_never_sampled_and_a_total_ban_stays_safe():
     assert sample(only_banned, SamplingParams(), 0, history=h) in (1, 2)  # allowed tokens, uniform
 
 
+def test_a_ban_of_every_id_is_not_held_and_never_raises():
+    """min_tokens with every id a stop id: no token is allowed, so the ban cannot hold; the
+    model's own distribution is kept (greedy: its argmax), never NaN probabilities (it raised
+    in torch.multinomial: a 502 for a request the API accepted)."""
+    x = torch.tensor([0.5, 3.0, -1.0, 2.0])
+    h = TokenHistory(token_ids=[0, 1], prompt_len=2, banned_ids=frozenset(range(4)))
+    assert sample(x, SamplingParams(), 0, history=h) == 1
+    assert sample(x, SamplingParams(temperature=1e-300, seed=3), 0, history=h) == 1
+    for i in range(20):
+        tok = sample(x, SamplingParams(temperature=2.0, seed=i, repetition_penalty=1.5), 0, history=h)
+        assert 0 <= tok < 4
+    assert adjust_logits(x.double(), SamplingParams(), h).tolist() == x.double().tolist()
+
+
 @pytest.mark.parametrize("penalty", [1e-300, 1e300])
 def test_extreme_repetition_penalty_stays_safe(penalty):
     x = torch.tensor([3.0, -2.0, 1.0, -1.0])
