@@ -606,6 +606,13 @@ class Engine:
         r.num_registered = n_full
 
     def _copy_in(self, blocks: Sequence[int], data: Sequence) -> None:
+        """Copy block arrays ``data`` (the block layout, as :meth:`_l3_fetch` checks) into pool
+        blocks ``blocks``: numpy blocks of one dtype as one ``[L, 2, n, H, D]`` array and one
+        scatter per layer and K/V (:meth:`KVArrays.scatter_tokens`), else block by block."""
+        first = data[0] if len(data) > 1 else None
+        if first is not None and all(type(d) is np.ndarray and d.dtype == first.dtype for d in data):
+            self.arrays.scatter_tokens(self.pool.kv, blocks, np.concatenate(data, axis=2))
+            return
         for b, d in zip(blocks, data):
             self.arrays.copy_into(self.pool.block_view(b), d)
 

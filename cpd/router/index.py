@@ -130,19 +130,36 @@ class PrefixIndex:
         needs it, so bits are assigned in the same order)."""
         table: MaskTable | None = None
         local = 0
+        run: tuple[bool, int] | None = None  # (stored?, tier column) of the pending run of L1/L2 events
+        keys: list[int] = []
         for ev in events:
             t = type(ev)
             if (t is BlockStored or t is BlockRemoved) and ev.medium != MEDIUM_L3:
                 if table is None:
                     table, local = self._tiers.of(self._bit(worker_id))
-                if t is BlockStored:
-                    table.add(_COL.get(ev.medium, 0), local, ev.block_hashes)
-                else:
-                    table.remove(_COL.get(ev.medium, 0), local, ev.block_hashes)
-            elif t is BlockStored:  # L3: a chunk became visible (as _apply)
+                kind = (t is BlockStored, _COL.get(ev.medium, 0))
+                if kind != run:
+                    self._apply_run(table, local, run, keys)
+                    run, keys = kind, []
+                keys.extend(ev.block_hashes)
+            elif t is BlockStored:  # L3: a chunk became visible (as _apply; L1/L2 masks untouched)
                 self._l3_stored(ev.block_hashes)
             else:
+                self._apply_run(table, local, run, keys)
+                run, keys = None, []
                 self._apply(worker_id, ev)
+        self._apply_run(table, local, run, keys)
+
+    @staticmethod
+    def _apply_run(table: MaskTable | None, local: int, run: tuple[bool, int] | None, keys: list[int]) -> None:
+        """Consecutive L1/L2 events of one kind (stored or removed) and tier, as one table update:
+        setting (clearing) a bit key by key or all at once leaves the same masks."""
+        if run is None or table is None or not keys:
+            return
+        if run[0]:
+            table.add(run[1], local, keys)
+        else:
+            table.remove(run[1], local, keys)
 
     def _l3_stored(self, hashes: list[int]) -> None:
         """A ``BlockStored(L3)``: the chunk joins the L3 view; its blocks are no longer pending."""
