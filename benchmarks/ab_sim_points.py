@@ -9,7 +9,7 @@ aggregates), to compare two code trees byte for byte.
 ``.``). Points are ``config:qps_per_gpu:seed`` on the quick adaptive-grid experiment
 (``benchmarks/adaptive_grid.py --quick``: 5 s ramp + 20 s arrivals + 10 s drain), agent workload
 cold 0.03, TTFT SLO 1 s, output 100; ``--workload mooncake`` uses the Mooncake conversation trace
-cell instead. Run old and new interleaved (same load) and compare the JSON files with ``cmp``.
+cell instead; ``--steady-s`` lengthens the window. Run old and new interleaved (same load) and compare the JSON files with ``cmp``.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--workload", default="agent", choices=("agent", "mooncake", "claude-code"))
     ap.add_argument("--json", required=True)
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--steady-s", type=float, default=None, help="arrivals after the ramp (default: the quick 20 s)")
     a = ap.parse_args()
     sys.path.insert(0, str(Path(a.code).resolve()))
     sys.path.insert(1, str(Path(a.code).resolve() / "benchmarks"))
@@ -39,6 +40,8 @@ def main() -> None:
     exp = ag.with_overrides(ex.load_experiment("reference_b200"), ag.QUICK_EXP)
     cell = {"workload": a.workload, "cold": 0.03 if a.workload == "agent" else None, "ttft_s": 1.0, "output": 100}
     exp = ag.cell_experiment(exp, cell)
+    if a.steady_s is not None:
+        exp["steady_s"] = a.steady_s
     sims = []
     orig_run = ex.EngineSimulator.run
 
