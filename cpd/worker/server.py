@@ -360,11 +360,26 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
             st.engine.release(rid)
         return token_ids, handle
 
-    token_ids, handle = await asyncio.to_thread(export_and_stage)
+    token_ids, handle = await _staged(st, rid, asyncio.to_thread(export_and_stage))
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
     return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes), token_ids=list(token_ids))
+
+
+async def _staged(st: WorkerState, rid: str, staging):
+    """Await the staging thread ``staging``. If the caller is cancelled meanwhile (client gone:
+    its abort released ``rid``'s staging before the thread made it), the staging is released
+    when the thread finishes; else it stayed until the sender's reclaim."""
+    fut = asyncio.ensure_future(staging)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        def release(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                st.sender.release(rid, f.result()[1].generation)
+        fut.add_done_callback(release)
+        raise
 
 
 def _kv_wire_dtype(engine) -> np.dtype:

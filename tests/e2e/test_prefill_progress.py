@@ -164,3 +164,32 @@ def test_every_prefill_worker_stopped_fails_fast_with_a_clear_error(dep):
     assert "prefill failed" in msg and "no response headers" in msg, msg
     per_attempt_s = TIMEOUTS["connect_s"] + TIMEOUTS["prefill_idle_s"]
     assert elapsed < 2 * per_attempt_s + SLACK_S, elapsed
+
+
+
+def test_clients_gone_while_their_kv_is_staged_leave_no_staging(dep):
+    """Short prefills end while long ones keep the engine stepping (a modeled step holds the
+    engine lock ~1 s here), so each short one waits to stage its KV; their clients go away at
+    staggered times, many of them during that wait. The worker aborted the request and released
+    its staging by id *before* the staging thread had made it, and nothing released it after:
+    a staged handoff stayed until the sender's 120 s reclaim (seen in a disconnect fuzz, about
+    one in ten cut requests). Now it is released once the thread finishes."""
+    body = {"model": dep.model_name, "temperature": 0, "ignore_eos": True}
+
+    def post(prompt: list[int], max_tokens: int, timeout_s: float) -> None:
+        try:  # the client's timeout closes its connection: a real disconnect
+            httpx.post(f"{dep.url}/v1/completions", json={**body, "prompt": prompt, "max_tokens": max_tokens},
+                       timeout=timeout_s)
+        except httpx.TimeoutException:
+            pass
+    threads = [threading.Thread(target=post, args=(random_prompt(830 + i, 1536), 2, 120.0)) for i in range(4)]
+    threads += [threading.Thread(target=post, args=(random_prompt(840 + i, 200), 30, 0.4 + 0.25 * i))
+                for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    time.sleep(1.0)
+    staged = {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5, auth=dep.internal_client_auth()).json()
+              ["handoff"]["num_staged"] for w in dep.alive_workers() if w["role"] == "prefill"}
+    assert set(staged.values()) == {0}, staged
