@@ -286,9 +286,11 @@ class EngineSimulator:
             # synchronous writes: deterministic (the live connector writes in a background thread;
             # here a written block is visible at the end of the step that computed it)
             connector = L3Connector(store, event_sink=sink, write_async=False)
+        # the engine's clock: virtual now plus the waits of the step running (a live engine's clock
+        # moves during a step; its step figures, step_s, must too)
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
                      scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex,
-                     clock=self._virtual_now)
+                     clock=lambda: self.now + clock.pending_s)
         w = _Inst(wid, Role(spec.role), eng, clock)
         w_box.append(w)
         return w
@@ -326,9 +328,6 @@ class EngineSimulator:
     def _router_cost(self) -> Any:
         """The cost model the router prices with now (fixed, or fitted so far)."""
         return self.estimates.model() if self.estimates is not None else self.c.router_cost
-
-    def _virtual_now(self) -> float:
-        return self.now
 
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
@@ -436,7 +435,7 @@ class EngineSimulator:
                 if self.estimates is not None:  # as the live dispatch records a prefill answer
                     by_tier = {Tier(t): n for t, n in (o.num_cached_tokens_by_tier or {}).items()}
                     observe_prefill(self.estimates, by_tier, self.reqs[i].prompt_tokens,
-                                    now - rec["arrival"] - (o.queue_s or 0.0))
+                                    now - rec["arrival"] - (o.queue_s or 0.0), o.step_tokens, o.step_s)
                 if self.role_window is not None and wid.role in PREFILL_SIDE_ROLES:
                     ttft = now - rec["arrival"]
                     self.role_window.observe_prefill_done(now, wid.role, max(0.0, ttft - rec["est_s"]), ttft)
