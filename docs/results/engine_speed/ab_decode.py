@@ -3,7 +3,7 @@ tree NEW vs transformers, each in its own process holding its model; every repet
 old, new, transformers back to back (1 torch thread, float32, nice 10).
 
 Usage: python ab_decode.py OLD_TREE NEW_TREE DECODE_POINTS PREFILL_POINTS REPS STEPS OUT.json
-(e.g. `git worktree add --detach /tmp/old OLD_COMMIT`, then
+(e.g. `git worktree add --detach /tmp/old OLD_COMMIT` or `git archive OLD_COMMIT | tar -x -C /tmp/old`, then
 `ab_decode.py /tmp/old /work/main 1x512,1x2048,8x512 "" 3 8 out.json`)."""
 import json, os, statistics, subprocess, sys, time
 WORKER = r'''
@@ -59,8 +59,12 @@ for op, pts in (("prefill", pre), ("decode", dec)):
             for k in ("old", "new"):
                 row[k + "_ratio_cpu"] = row["hf_cpu"] / row[k + "_cpu"]; row[k + "_ratio_wall"] = row["hf_wall"] / row[k + "_wall"]
         row["new_vs_old_cpu"] = row["old_cpu"] / row["new_cpu"]
+        for k in ("old", "new"):  # per repetition (prefill) or step (decode): the spread of the ratio
+            row[k + "_ratio_cpu_reps"] = [h[1] / c[1] for h, c in zip(laps["hf"], laps[k])]
+            row[k + "_ratio_wall_reps"] = [h[0] / c[0] for h, c in zip(laps["hf"], laps[k])]
         res[op][f"{b}x{n}"] = row
-        print(op, f"{b}x{n}", {k: round(v * 1e3, 1) if "ratio" not in k and k.endswith(("_wall", "_cpu")) else round(v, 3)
+        print(op, f"{b}x{n}", {k: round(v * 1e3, 1) if "ratio" not in k and "_vs_" not in k and k.endswith(("_wall", "_cpu")) else
+                                     [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
                                      for k, v in row.items()}, flush=True)
 res["loadavg_end"] = os.getloadavg()
 json.dump(res, open(out_json, "w"), indent=1)
