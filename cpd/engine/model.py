@@ -451,8 +451,9 @@ class DecoderLayer(nn.Module):
         are 4-D ``[batch, heads, len, d]`` with grouped KV heads, which is what selects them;
         3-D inputs fall back to the slow math path). Sequences of equal shape with no cached
         prefix run as one batch; the others one at a time (a chunk on top of a cached prefix
-        takes a bottom-right causal mask). Where the context comes from: with ``own`` (the
-        step's K/V ``[T, nkv, d]``) a sequence without cached prefix reads its own new K/V;
+        takes a bottom-right causal mask; float32 on CPU, with ``own``: the split of
+        :meth:`_attend_chunk_split`). Where the context comes from: with ``own`` (the step's
+        K/V ``[T, nkv, d]``) a sequence without cached prefix reads its own new K/V;
         a sequence with an arena row (``rows[i]``) reads a view of that row; otherwise the
         context is gathered from the pool (the per-sequence reference path always gathers).
         With ``T``, into a ``[T, nh*d]`` buffer whose rows not covered by ``seqs`` are left
@@ -485,6 +486,8 @@ class DecoderLayer(nn.Module):
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             elif n == 1:
                 o = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
+            elif own is not None and q.device.type == "cpu" and q.dtype == torch.float32:
+                o = self._attend_chunk_split(qi, ki, vi, L - n)
             else:
                 prior = L - n
                 mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior)
@@ -498,6 +501,28 @@ class DecoderLayer(nn.Module):
         for qs, n, o in outs:
             attn[qs:qs + n] = o
         return attn
+
+    def _attend_chunk_split(self, qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, prior: int) -> torch.Tensor:
+        """A float32 chunk of ``n`` queries on ``prior`` cached tokens (``qi [1, nh, n, d]``,
+        ``ki``/``vi`` ``[1, nkv, prior + n, d]``) without the masked-out scores: one CPU flash call
+        over the prefix (no mask; the query group folded into the query length, so no KV copy)
+        and one causal call over the chunk itself, merged by their log-sum-exps. With an explicit
+        bottom-right mask the kernel computes all ``n × (prior + n)`` scores; this computes
+        ``n × prior + n² / 2``, as the unchunked prefill does for the same rows. float32 only:
+        in bf16 the merge differed from the masked call by ~6e-3 and flipped the warm-L3 path's
+        greedy tokens against the oracle (reverted in bfad80b); in float32 it is ~1e-7."""
+        nh, nkv, d, n = self.nh, self.nkv, self.d, qi.shape[2]
+        g = nh // nkv
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, l1 = flash(qi.reshape(1, nkv, g * n, d), ki[:, :, :prior], vi[:, :, :prior], 0.0, False)
+        kc, vc = ki[:, :, prior:], vi[:, :, prior:]
+        if g > 1:
+            kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
+        o2, l2 = flash(qi, kc, vc, 0.0, True)  # [1, nh, n, d], [1, nh, n]
+        l1 = l1.reshape(1, nh, n)
+        m = torch.maximum(l1, l2)
+        w1, w2 = l1.sub_(m).exp_()[..., None], l2.sub_(m).exp_()[..., None]
+        return o1.reshape(1, nh, n, d).mul_(w1).addcmul_(o2, w2).div_(w1.add_(w2))
 
     def _attend_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       seqs: list[tuple[int, int, torch.Tensor]],
