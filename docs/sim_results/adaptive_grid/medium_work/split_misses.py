@@ -69,7 +69,8 @@ def rows_of(e: dict, sim, decs: dict, t_warm: float) -> list[dict]:
             continue
         q, d = sim.reqs[i], decs.get(i)
         ttft = (r["ttft_t"] if r["ttft_t"] is not None else sim.now) - r["arrival"]
-        tpot = (r["done_t"] - r["ttft_t"]) / (q.output_tokens - 1) if r["done_t"] and r["ttft_t"] else None
+        tpot = ((r["done_t"] - r["ttft_t"]) / (q.output_tokens - 1) if r["done_t"] and r["ttft_t"] and q.output_tokens > 1
+                else None)  # one output token: no TPOT
         out.append({"i": i, "arrival_s": round(r["arrival"], 3), "prompt_tokens": q.prompt_tokens, "cls": r["cls"],
                     "pool": r["pool"], "worker": r["worker"], "decode": r["decode"], "own_s": round(r["est_s"], 3),
                     "ttft_s": round(ttft, 3), "tpot_s": round(tpot, 4) if tpot else None,
