@@ -84,16 +84,25 @@ def encode_parts(block_hashes: Sequence[int], blocks: Sequence[np.ndarray],
     if n > 0xFFFF:
         raise ValueError("too many blocks in one chunk")
     first = blocks[0]
-    d = _desc_bytes(first.dtype.str, first.shape)
     for b in blocks[1:]:
         if b.dtype != first.dtype or b.shape != first.shape:
             raise ValueError("all blocks of a chunk must share dtype and shape")
     bs = infer_block_size(first) if block_size is None else int(block_size)
-    header = _HDR.pack(MAGIC, VERSION, n, bs, first.nbytes, len(d)) + d + (
-        _U64.pack(int(block_hashes[0])) if n == 1 else struct.pack(f"<{n}Q", *map(int, block_hashes)))
-    views = [_as_bytes_view(b) for b in blocks]
-    hx = xxhash.xxh3_64()
-    hx.update(header)
+    return _chunk_parts(_fixed_header(n, bs, first), block_hashes, [_as_bytes_view(b) for b in blocks])
+
+
+def _fixed_header(n: int, block_size: int, first: np.ndarray) -> bytes:
+    """The part of a chunk's header before its block hashes (``n`` blocks like ``first``)."""
+    d = _desc_bytes(first.dtype.str, first.shape)
+    return _HDR.pack(MAGIC, VERSION, n, block_size, first.nbytes, len(d)) + d
+
+
+def _chunk_parts(fixed: bytes, block_hashes: Sequence[int], views: list[memoryview]) -> list[memoryview | bytes]:
+    """``[header, block_0, ..., block_{n-1}, trailer]``: ``fixed`` + the hashes, the block
+    views, the xxh3 checksum of all of it."""
+    n = len(views)
+    header = fixed + (_U64.pack(int(block_hashes[0])) if n == 1 else struct.pack(f"<{n}Q", *map(int, block_hashes)))
+    hx = xxhash.xxh3_64(header)
     for v in views:
         hx.update(v)
     return [header, *views, _U64.pack(hx.intdigest())]
@@ -113,9 +122,15 @@ def encode_chunks(block_hashes: Sequence[int], blocks: Sequence[np.ndarray], ran
     if any(b is not first and (b.dtype != dt or b.shape != shape) for b in blocks):
         return [encode_parts(block_hashes[s:e], blocks[s:e], block_size) for s, e in ranges]
     bs = infer_block_size(first) if block_size is None else int(block_size)
-    d = _desc_bytes(dt.str, shape)
     fixed: dict[int, bytes] = {}
     views: dict[int, memoryview] = {}  # id(block) -> its bytes (blocks holds every block alive)
+
+    def view(b: np.ndarray) -> memoryview:
+        v = views.get(id(b))
+        if v is None:
+            v = views[id(b)] = _as_bytes_view(b)
+        return v
+
     out = []
     for s, e in ranges:
         n = e - s
@@ -123,19 +138,8 @@ def encode_chunks(block_hashes: Sequence[int], blocks: Sequence[np.ndarray], ran
             raise ValueError(f"a chunk needs 1..65535 blocks (got {n})")
         pre = fixed.get(n)
         if pre is None:
-            pre = fixed[n] = _HDR.pack(MAGIC, VERSION, n, bs, first.nbytes, len(d)) + d
-        header = pre + (_U64.pack(int(block_hashes[s])) if n == 1
-                        else struct.pack(f"<{n}Q", *map(int, block_hashes[s:e])))
-        hx = xxhash.xxh3_64(header)
-        parts: list[memoryview | bytes] = [header]
-        for b in blocks[s:e]:
-            v = views.get(id(b))
-            if v is None:
-                v = views[id(b)] = _as_bytes_view(b)
-            hx.update(v)
-            parts.append(v)
-        parts.append(_U64.pack(hx.intdigest()))
-        out.append(parts)
+            pre = fixed[n] = _fixed_header(n, bs, first)
+        out.append(_chunk_parts(pre, block_hashes[s:e], [view(b) for b in blocks[s:e]]))
     return out
 
 
