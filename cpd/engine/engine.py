@@ -994,7 +994,7 @@ class Engine:
         banned = r.stop_ids if r.num_output < r.sampling.min_tokens else frozenset()
         if not banned and not r.sampling.uses_history:
             return None
-        return TokenHistory(r.tokens, r.prompt_len, frozenset(banned))
+        return TokenHistory(r.tokens, r.prompt_len, banned)
 
     def _append_token(self, r: _Req, tok: int) -> tuple[StepOutput, str | None]:
         """Add a sampled token to a request; returns its output and finish reason (or None)."""

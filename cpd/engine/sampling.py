@@ -81,10 +81,6 @@ def adjust_logits(x: torch.Tensor, params: SamplingParams, history: TokenHistory
     return x
 
 
-def needs_adjusting(params: SamplingParams, history: TokenHistory | None) -> bool:
-    return history is not None and (params.uses_history or bool(history.banned_ids))
-
-
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Argmax of each row of ``[n, vocab_size]`` logits, NaN counting as ``-inf`` (the same
     token :func:`sample` picks at temperature 0)."""
@@ -106,11 +102,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, output_index: int,
     Returns:
         A token id in ``[0, vocab_size)``.
     """
-    adjust = needs_adjusting(params, history)
-    if params.temperature == 0 and not adjust:
+    if params.temperature == 0 and history is None:
         return greedy_tokens(logits.reshape(1, -1))[0]
     x = _clean_logits(logits)
-    if adjust:
+    if history is not None:
         x = adjust_logits(x, params, history)
     if params.temperature == 0:
         return int(x.argmax().item())
