@@ -564,6 +564,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_hidden_layers))
+        #: the logits' linear: torch's, or OpenBLAS where cpu_blas wants it (as the layers choose)
+        self.big_linear = cpu_blas.linear if cpu_blas.wanted(self.device, dtype) else F.linear
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False,
                                                                     device, dtype)
@@ -639,4 +641,4 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return _mm(x, w, None, F.linear if last < 0 else self.layers[0].big_linear).float()
+        return _mm(x, w, None, self.big_linear).float()
