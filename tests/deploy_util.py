@@ -1,6 +1,7 @@
 """Helpers for tests that run whole deployments (real processes, real HTTP)."""
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -96,3 +97,28 @@ def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str
     num_blocks = max(64, -(-(len(prompt) + max_tokens) // 16) + 1)  # room for the whole sequence
     return Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype)).generate(
         prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def signal_pid(pid: int, sig) -> None:
+    """Send ``sig`` to a worker process (one that is gone already: nothing)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def router_workers(dep: Deployment) -> dict:
+    """The router's ``/cpd/workers`` view."""
+    return httpx.get(f"{dep.url}/cpd/workers", timeout=5).json()
+
+
+def wait_all_healthy(dep: Deployment, timeout_s: float = 30.0) -> None:
+    """Until the router sees every live worker healthy again (AssertionError after ``timeout_s``)."""
+    alive = {w["worker_id"] for w in dep.alive_workers()}
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        ws = router_workers(dep)
+        if all(ws[w]["healthy"] for w in alive):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers not healthy again: {router_workers(dep)}")

@@ -7,7 +7,6 @@ Order matters: the last two tests SIGKILL a worker each.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -15,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from deploy_util import assert_no_leaks, oracle_tokens, random_prompt, start
+from deploy_util import (assert_no_leaks, oracle_tokens, random_prompt, router_workers, signal_pid, start,
+                         wait_all_healthy)
 
 MAX_TOKENS = 8
 RECLAIM_S = 2.0  # prefill side: stagings nobody released are reclaimed after this
@@ -33,50 +33,28 @@ def dep(tiny_model_dir):
               extra_env={"CPD_DISPATCH_TIMEOUTS": json.dumps(TIMEOUTS)})
     yield d
     for w in d.workers:  # never leave a stopped process behind
-        _signal(w, signal.SIGCONT)
+        signal_pid(w["pid"], signal.SIGCONT)
     d.stop()
 
 
 @pytest.fixture(autouse=True)
 def _healthy_before_and_no_leaks_after(dep):
-    _wait_all_healthy(dep)
+    wait_all_healthy(dep)
     yield
     for w in dep.workers:
-        _signal(w, signal.SIGCONT)
+        signal_pid(w["pid"], signal.SIGCONT)
     assert_no_leaks(dep)
-
-
-def _signal(w: dict, sig) -> None:
-    try:
-        os.kill(w["pid"], sig)
-    except ProcessLookupError:
-        pass
 
 
 def _worker(dep, wid: str) -> dict:
     return next(w for w in dep.workers if w["worker_id"] == wid)
 
 
-def _router_workers(dep) -> dict:
-    return httpx.get(f"{dep.url}/cpd/workers", timeout=5).json()
-
-
-def _wait_all_healthy(dep, timeout_s: float = 30.0) -> None:
-    alive = {w["worker_id"] for w in dep.alive_workers()}
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        ws = _router_workers(dep)
-        if all(ws[w]["healthy"] for w in alive):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"workers not healthy again: {_router_workers(dep)}")
-
-
 def _busy_worker(dep, role: str, timeout_s: float = 20.0) -> str:
     """The worker of ``role`` the router has dispatched a request to (running_requests > 0)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        for wid, w in _router_workers(dep).items():
+        for wid, w in router_workers(dep).items():
             if w["role"] == role and w["running_requests"] > 0:
                 return wid
         time.sleep(0.05)
@@ -150,7 +128,7 @@ def test_late_handoff_after_reclaim_and_restage_is_never_decoded(dep, tiny_model
     decoders = [w for w in dep.alive_workers() if w["role"] == "decode"]
     staged0, stale0 = _staged_shm(dep), _stale_detected(dep)
     for w in decoders:
-        _signal(w, signal.SIGSTOP)
+        signal_pid(w["pid"], signal.SIGSTOP)
     try:
         ra = _Async(dep, a, min_tokens=MAX_TOKENS)  # the re-prefill's own sampling must stay valid
         _wait_staged(dep, staged0 + 1)
@@ -159,7 +137,7 @@ def test_late_handoff_after_reclaim_and_restage_is_never_decoded(dep, tiny_model
         _wait_staged(dep, staged0 + 3)
     finally:
         for w in decoders:
-            _signal(w, signal.SIGCONT)
+            signal_pid(w["pid"], signal.SIGCONT)
     _assert_clear_error_or_oracle(ra.result(), want_a)
     assert ra.resp.status_code == 200  # with a second chance it is re-prefilled, not failed
     for r in rb:
@@ -174,12 +152,12 @@ def test_prefill_worker_stopped_request_retried_within_bound(dep, tiny_model_dir
     want = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     prefills = [w for w in dep.alive_workers() if w["role"] == "prefill"]
     for w in prefills:
-        _signal(w, signal.SIGSTOP)
+        signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
     stopped = _busy_worker(dep, "prefill")
     for w in prefills:  # the others run again; the one holding the request stays stopped
         if w["worker_id"] != stopped:
-            _signal(w, signal.SIGCONT)
+            signal_pid(w["pid"], signal.SIGCONT)
     resp = r.result()
     assert _tokens(resp) == want
     bound = TIMEOUTS["connect_s"] + TIMEOUTS["prefill_idle_s"] + SLACK_S  # stopped: its headers never come
@@ -193,12 +171,12 @@ def test_decode_worker_stopped_before_first_token_retried_elsewhere(dep, tiny_mo
     want = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     decoders = [w for w in dep.alive_workers() if w["role"] == "decode"]
     for w in decoders:
-        _signal(w, signal.SIGSTOP)
+        signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
     stopped = _busy_worker(dep, "decode")
     for w in decoders:
         if w["worker_id"] != stopped:
-            _signal(w, signal.SIGCONT)
+            signal_pid(w["pid"], signal.SIGCONT)
     resp = r.result()
     assert _tokens(resp) == want
     assert r.elapsed_s < TIMEOUTS["decode_floor_s"] + SLACK_S, r.elapsed_s
@@ -223,7 +201,7 @@ def test_decode_worker_stopped_mid_stream_ends_with_error_event_within_bound(dep
             n_events += 1
             if n_events == 3 and stopped is None:  # tokens are flowing: stop its decode worker
                 stopped = _busy_worker(dep, "decode")
-                _signal(_worker(dep, stopped), signal.SIGSTOP)
+                signal_pid(_worker(dep, stopped)["pid"], signal.SIGSTOP)
                 t_stop = time.time()
     took = time.time() - t_stop
     assert stopped is not None and error is not None, "the stream must end with an SSE error event"
@@ -238,12 +216,12 @@ def test_decode_worker_killed_before_first_token_retried_on_the_other(dep, tiny_
     want = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     decoders = [w for w in dep.alive_workers() if w["role"] == "decode"]
     for w in decoders:
-        _signal(w, signal.SIGSTOP)
+        signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
     victim = _busy_worker(dep, "decode")
     for w in decoders:
         if w["worker_id"] != victim:
-            _signal(w, signal.SIGCONT)
+            signal_pid(w["pid"], signal.SIGCONT)
     dep.kill_worker(victim)  # the router's read fails at once (connection reset), no timeout
     resp = r.result()
     assert _tokens(resp) == want
@@ -256,12 +234,12 @@ def test_prefill_worker_killed_mid_prefill_retried_on_the_other(dep, tiny_model_
     want = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     prefills = [w for w in dep.alive_workers() if w["role"] == "prefill"]
     for w in prefills:
-        _signal(w, signal.SIGSTOP)
+        signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
     victim = _busy_worker(dep, "prefill")
     for w in prefills:
         if w["worker_id"] != victim:
-            _signal(w, signal.SIGCONT)
+            signal_pid(w["pid"], signal.SIGCONT)
     dep.kill_worker(victim)  # mid-prefill: the connection is reset, not refused
     resp = r.result()
     assert _tokens(resp) == want

@@ -12,7 +12,6 @@ clearly, within the progress bounds.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from cpd.engine.engine import Engine, SamplingParams
 from cpd.engine.executor_modeled import build_modeled_executor
-from deploy_util import assert_no_leaks, random_prompt, start
+from deploy_util import assert_no_leaks, random_prompt, router_workers, signal_pid, start, wait_all_healthy
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 DILATION = 100.0  # a 512-token prefill step of the modeled B200 (~9 ms) lasts ~0.9 s
@@ -43,44 +42,24 @@ def dep(tiny_model_dir):
               extra_env={"CPD_DISPATCH_TIMEOUTS": json.dumps(TIMEOUTS)})
     yield d
     for w in d.workers:  # never leave a stopped process behind
-        _signal(w["pid"], signal.SIGCONT)
+        signal_pid(w["pid"], signal.SIGCONT)
     d.stop()
 
 
 @pytest.fixture(autouse=True)
 def _healthy_before_and_no_leaks_after(dep):
-    _wait_all_healthy(dep)
+    wait_all_healthy(dep)
     yield
     for w in dep.workers:
-        _signal(w["pid"], signal.SIGCONT)
-    _wait_all_healthy(dep)
+        signal_pid(w["pid"], signal.SIGCONT)
+    wait_all_healthy(dep)
     assert_no_leaks(dep)
-
-
-def _signal(pid: int, sig) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _router_workers(dep) -> dict:
-    return httpx.get(f"{dep.url}/cpd/workers", timeout=5).json()
-
-
-def _wait_all_healthy(dep, timeout_s: float = 30.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if all(w["healthy"] for w in _router_workers(dep).values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"workers not healthy again: {_router_workers(dep)}")
 
 
 def _busy_prefill_worker(dep, timeout_s: float = 20.0) -> str:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        for wid, w in _router_workers(dep).items():
+        for wid, w in router_workers(dep).items():
             if w["role"] == "prefill" and w["running_requests"] > 0:
                 return wid
         time.sleep(0.05)
@@ -125,7 +104,7 @@ def test_a_progressing_prefill_longer_than_the_estimate_bound_succeeds(dep, tiny
           f"old bound {OLD_BOUND_S} s, idle {TIMEOUTS['prefill_idle_s']} s, stall {TIMEOUTS['prefill_stall_s']} s")
     # the case under test: the prefill outlasted the old bound and each progress bound
     assert rec["ttft_s"] > max(OLD_BOUND_S, TIMEOUTS["prefill_idle_s"], TIMEOUTS["prefill_stall_s"]), rec
-    ws = _router_workers(dep)
+    ws = router_workers(dep)
     assert all(w["healthy"] for w in ws.values()), ws  # no worker was blamed
 
 
@@ -137,7 +116,7 @@ def test_a_prefill_worker_stopped_mid_prefill_fails_over_within_the_idle_bound(d
     time.sleep(1.0)  # progress lines are flowing now
     pid = next(w["pid"] for w in dep.workers if w["worker_id"] == victim)
     t_stop = time.monotonic()
-    _signal(pid, signal.SIGSTOP)
+    signal_pid(pid, signal.SIGSTOP)
     resp = r.result()
     elapsed = time.monotonic() - t_stop
     assert resp.status_code == 200, resp.text
@@ -145,20 +124,20 @@ def test_a_prefill_worker_stopped_mid_prefill_fails_over_within_the_idle_bound(d
     rec = httpx.get(f"{dep.url}/cpd/requests", timeout=5).json()[resp.json()["id"]]
     assert rec["prefill_worker"] != victim, rec
     assert elapsed < TIMEOUTS["prefill_idle_s"] + SLACK_S, elapsed
-    _signal(pid, signal.SIGCONT)
+    signal_pid(pid, signal.SIGCONT)
 
 
 def test_every_prefill_worker_stopped_fails_fast_with_a_clear_error(dep):
     pids = [w["pid"] for w in dep.workers if w["role"] == "prefill"]
     for pid in pids:
-        _signal(pid, signal.SIGSTOP)
+        signal_pid(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         resp = _post(dep, random_prompt(803, 100))
         elapsed = time.monotonic() - t0
     finally:
         for pid in pids:
-            _signal(pid, signal.SIGCONT)
+            signal_pid(pid, signal.SIGCONT)
     assert resp.status_code == 503, resp.text
     msg = resp.json()["error"]["message"]
     assert "prefill failed" in msg and "no response headers" in msg, msg

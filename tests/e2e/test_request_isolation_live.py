@@ -90,16 +90,23 @@ EXTREMES = [
 ]
 
 
-def test_extreme_accepted_sampling_values_are_served_beside_greedy(dep, oracle):
-    greedy = [random_prompt(300 + i, 40 + 9 * i) for i in range(4)]
-    extreme_prompt = greedy[0]
-    with ThreadPoolExecutor(len(greedy) + len(EXTREMES)) as pool:
+def _beside_greedy(dep, oracle, seed: int, num_greedy: int, extremes: list[dict]) -> tuple[list[int], list]:
+    """``num_greedy`` greedy requests and one request per sampling setting of ``extremes`` (all on
+    the first greedy prompt), sent at once; the greedy ones must keep their oracle tokens.
+    Returns the shared prompt and the extreme requests' responses."""
+    greedy = [random_prompt(seed + i, 40 + 9 * i) for i in range(num_greedy)]
+    with ThreadPoolExecutor(len(greedy) + len(extremes)) as pool:
         g = [pool.submit(_post, dep, p) for p in greedy]
-        x = [pool.submit(_post, dep, extreme_prompt, **s) for s in EXTREMES]
+        x = [pool.submit(_post, dep, greedy[0], **s) for s in extremes]
         greedy_out = [f.result() for f in g]
         extreme_out = [f.result() for f in x]
     for p, r in zip(greedy, greedy_out):
         assert _tokens(r) == oracle(p)
+    return greedy[0], extreme_out
+
+
+def test_extreme_accepted_sampling_values_are_served_beside_greedy(dep, oracle):
+    extreme_prompt, extreme_out = _beside_greedy(dep, oracle, 300, 4, EXTREMES)
     for s, r in zip(EXTREMES, extreme_out):
         toks = _tokens(r)  # 200 for every accepted value
         assert len(toks) == MAX_TOKENS, s
@@ -126,15 +133,7 @@ def test_extreme_sampling_options_are_served_beside_greedy(dep, oracle):
     server error), the greedy neighbours keep their oracle tokens. Every id a stop id with
     min_tokens: the ban cannot hold, so the first min_tokens tokens are the model's own
     (greedy: the oracle's) and the next one, a stop id, ends the output."""
-    greedy = [random_prompt(310 + i, 40 + 9 * i) for i in range(3)]
-    extreme_prompt = greedy[0]
-    with ThreadPoolExecutor(len(greedy) + len(OPTION_EXTREMES)) as pool:
-        g = [pool.submit(_post, dep, p) for p in greedy]
-        x = [pool.submit(_post, dep, extreme_prompt, **s) for s in OPTION_EXTREMES]
-        greedy_out = [f.result() for f in g]
-        extreme_out = [f.result() for f in x]
-    for p, r in zip(greedy, greedy_out):
-        assert _tokens(r) == oracle(p)
+    extreme_prompt, extreme_out = _beside_greedy(dep, oracle, 310, 3, OPTION_EXTREMES)
     for s, r in zip(OPTION_EXTREMES, extreme_out):
         toks = _tokens(r)  # 200 for every accepted value
         if "stop_token_ids" in s:
