@@ -54,6 +54,17 @@ def test_runs_the_live_engine_index_and_policy():
     assert all(r["done_t"] is not None for r in sim.rec)
 
 
+def test_engine_step_times_are_the_modeled_ones_as_live():
+    """The router's prefill-rate sample is the engine's step figures (as live): in the simulator
+    the engine's clock must move during a step by its modeled waits, so the engine's step seconds
+    are positive and within its instance's modeled busy time (the rest: loads before the step)."""
+    sim = EngineSimulator(_cluster(), _agent_requests(20)).run()
+    stepped = [w for w in sim.insts if w.engine.num_steps]
+    assert stepped
+    for w in stepped:
+        assert 0 < w.engine.step_s_total <= w.busy_s + 1e-9, (w.wid, w.engine.step_s_total, w.busy_s)
+
+
 def test_two_runs_are_byte_identical():
     def run():
         sim = EngineSimulator(_cluster(), _agent_requests(150)).run()
