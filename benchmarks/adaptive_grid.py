@@ -58,12 +58,15 @@ def cells(workloads: list[str], grid: dict) -> list[dict]:
 
 
 def cell_experiment(base: dict, cell: dict) -> dict:
+    """The experiment of one cell. A trace cell replays ``TRACE_WORKLOADS[workload]`` updated by the
+    experiment's ``trace_replay[workload]`` (replay options such as ``time_scale`` or ``max_idle_s``)."""
     ov: dict = {"slo.ttft_s": cell["ttft_s"]}
     if cell["workload"] == "agent":
         ov.update({"workload.cold_fraction": cell["cold"], "workload.output_tokens": cell["output"]})
         return with_overrides(base, ov)
     e = with_overrides(base, ov)
-    e["workload"] = dict(TRACE_WORKLOADS[cell["workload"]], max_output_tokens=cell["output"])
+    e["workload"] = dict(TRACE_WORKLOADS[cell["workload"]], max_output_tokens=cell["output"],
+                         **base.get("trace_replay", {}).get(cell["workload"], {}))
     return e
 
 
