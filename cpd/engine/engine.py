@@ -73,6 +73,11 @@ class EngineRequest:
             (imported KV goes through :meth:`Engine.add_decode_request`).
         max_l3_blocks: most prefix blocks that may be loaded from L3 (None = any, 0 = none).
         write_through: save each computed full prompt block to L3 via ``connector.save``.
+        block_hashes: the chained hashes of the prompt's leading full blocks, as
+            :func:`cpd.kv.block_hash.hash_blocks` computes them under this engine's namespace
+            with ``cache_salt`` (e.g. the router's, in one process); the engine uses them
+            instead of hashing the prompt again. Trusted, not checked: only for callers that
+            computed them with ``cpd.kv.block_hash`` (None = the engine hashes).
     """
 
     request_id: str
@@ -82,6 +87,7 @@ class EngineRequest:
     mode: str = "full"
     max_l3_blocks: int | None = None
     write_through: bool = False
+    block_hashes: Sequence[int] | None = None
 
 
 @dataclass
@@ -349,6 +355,8 @@ class Engine:
         toks, u32 = self._validate(req.request_id, req.prompt_token_ids, req.sampling)
         r = _Req(req.request_id, toks, len(toks), req.sampling, req.mode, self._namespace.with_salt(req.cache_salt),
                  req.max_l3_blocks, req.write_through, self._stop_ids(req.sampling), u32)
+        if req.block_hashes is not None:  # the caller's (see EngineRequest): not hashed again
+            r.hashes = list(req.block_hashes[:len(toks) // self.block_size])
         r.added_at_s = self._clock()
         self._submit(("add", r), req.request_id, new=True, prefill_tokens=len(toks))
 
@@ -406,11 +414,13 @@ class Engine:
         if len(toks) >= self.max_model_len:
             raise ValueError(f"{len(toks)} tokens do not fit max_model_len={self.max_model_len}")
         self._add_imported(request_id, toks, u32, kv, sampling or held.sampling, len(toks) - held.prompt_len,
-                           held.ns.cache_salt)
+                           held.ns.cache_salt, held.hashes if held.ns == self._namespace.with_salt(held.ns.cache_salt)
+                           else None)
 
     def _add_imported(self, request_id: str, toks: list[int], u32: bytes, kv: Any, sampling: SamplingParams,
-                      num_generated: int, cache_salt: str | None) -> None:
-        """Queue a request with imported KV (validated ids ``toks`` and their u32le bytes)."""
+                      num_generated: int, cache_salt: str | None, hashes: Sequence[int] | None = None) -> None:
+        """Queue a request with imported KV (validated ids ``toks`` and their u32le bytes;
+        ``hashes``: block hashes of their leading full blocks under this namespace, if known)."""
         if not 1 <= num_generated < len(toks):
             raise ValueError("num_generated must be in [1, len(token_ids))")
         lay = self.executor.kv_layout
@@ -422,6 +432,8 @@ class Engine:
         r = _Req(request_id, toks, len(toks) - num_generated, sampling, "full", self._namespace.with_salt(cache_salt),
                  0, False, self._stop_ids(sampling), u32)
         r.import_kv = kv_t
+        if hashes is not None:  # the exporting engine's, same namespace (import_held): not hashed again
+            r.hashes = list(hashes[:len(toks) // self.block_size])
         r.added_at_s = self._clock()
         self._submit(("add", r), request_id, new=True)
 
@@ -574,11 +586,15 @@ class Engine:
             self._free(held)
 
     def _update_load(self) -> None:
-        q = sum(max(0, r.prompt_len - r.num_computed) for r in list(self._waiting) + self._running
-                if r.import_kv is None)
-        st = self.pool.stats()
+        q = 0
+        for queue in (self._waiting, self._running):
+            for r in queue:
+                if r.import_kv is None and r.prompt_len > r.num_computed:
+                    q += r.prompt_len - r.num_computed
+        pool = self.pool
         self._load = {"queued_prefill_tokens": q, "running_requests": len(self._running),
-                      "waiting_requests": len(self._waiting), "kv_usage": st["num_in_use"] / st["num_total"]}
+                      "waiting_requests": len(self._waiting),
+                      "kv_usage": (pool.num_blocks - pool.num_free_blocks()) / pool.num_blocks}
 
     # ------------------------------------------------------------------ prefix matching / loading
     def _ensure_hashes(self, r: _Req, upto_blocks: int) -> None:
@@ -766,6 +782,8 @@ class Engine:
 
     def _prepare_waiting(self) -> list[_Req]:
         """Prepare the head of the waiting queue that could be admitted this step; returns it."""
+        if not self._waiting:  # nothing to admit (most decode steps)
+            return []
         cfg = self.scheduler_config
         budget = cfg.max_num_batched_tokens
         reserve = 0
@@ -955,10 +973,13 @@ class Engine:
             self._fail_step([r for r, _ in sched], e)
             return outputs
         self.num_steps += 1
+        bs = self.block_size
         for r, n in sched:
             r.num_computed += n
-            self._register_full(r)
-            self._write_through_guarded(r)
+            if r.num_computed // bs > r.num_registered:  # a block became full
+                self._register_full(r)
+            if r.write_through:
+                self._write_through_guarded(r)
         sreqs = [r for r, n in sched if r.num_computed == len(r.tokens)]
         tokens = self._sample_tokens(logits, sreqs) if sreqs else []
         self.step_tokens_total += sum(n for _, n in sched)

@@ -368,7 +368,7 @@ class EngineSimulator:
         req = EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                             mode="full" if d.decode_append else "prefill",
                             max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
-                            write_through=d.write_through)
+                            write_through=d.write_through, block_hashes=hashes)
         if d.wait_for_l3_s > 0:  # read-after-write: the dispatch holds for the pending L3 blocks
             self.at(now + d.wait_for_l3_s, self._submit, w, req)
         else:
