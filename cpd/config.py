@@ -97,6 +97,10 @@ class EngineSection(Section):
                                                         "hardware (bench divides times by K)")
     kv_payload_fraction: float = Field(1 / 8192, gt=0, le=1, description="modeled executor: KV bytes held per "
                                                                          "modeled KV byte")
+    max_step_s: float = Field(120.0, gt=0, description="an engine step running longer than this is stuck: the "
+                                                       "worker reports unhealthy and its streams say so, so the "
+                                                       "router routes elsewhere and fails over (one step of the "
+                                                       "token budget must fit, with room for a loaded machine)")
 
 
 class KVSection(Section):
@@ -284,6 +288,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("engine.tp", ("--tp",), worker=True),
     Flag("engine.time_dilation", ("--time-dilation",), worker=True),
     Flag("engine.kv_payload_fraction", ("--kv-payload-fraction",), worker=True),
+    Flag("engine.max_step_s", ("--max-step-s",), worker=True),
     Flag("kv.host_kv_bytes", ("--host-kv-bytes",), worker=True),
     Flag("kv.l3_url", ("--kv-store",), worker=True),
     Flag("kv.l3_chunk_blocks", ("--l3-chunk-blocks",), worker=True),

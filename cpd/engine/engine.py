@@ -487,6 +487,16 @@ class Engine:
         """True while any request is queued or running (held prefill requests do not count)."""
         return bool(self._inbox or self._waiting or self._running)
 
+    def request_state(self, request_id: str) -> str | None:
+        """``"queued"`` (not yet admitted), ``"running"``, ``"held"`` (prefilled, KV kept for
+        export) or None (unknown, finished). Read without the step lock, so that any thread may
+        ask while a step runs (a stuck one too); the answer may be a step old."""
+        if request_id in self._held:
+            return "held"
+        if any(r.id == request_id for r in list(self._running)):
+            return "running"
+        return "queued" if request_id in self._live_ids else None
+
     def load_stats(self) -> dict:
         """``queued_prefill_tokens`` (prompt tokens not yet computed, queued or running),
         ``running_requests``, ``waiting_requests``, ``kv_usage`` (fraction of L1 blocks in use),

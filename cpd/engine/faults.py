@@ -9,15 +9,24 @@ starts (:meth:`FaultPlan.from_env`); an empty environment injects nothing.
 - ``CPD_FAULT_STEP_ERROR_SEED=N``: the model forward raises in every step that schedules a
   request whose ``seed`` is N (a whole-step failure: the step's requests fail, the engine
   keeps serving the others and new ones).
+- ``CPD_FAULT_STEP_HANG_SEED=N``: the model forward blocks (never returns, or for
+  ``CPD_FAULT_STEP_HANG_S`` seconds when that is set) in every step that schedules a request whose
+  ``seed`` is N: a stuck engine (a hung kernel, a deadlock) while the worker's event loop lives.
+- ``CPD_FAULT_WORKER=ID``: the faults above apply in the worker ``ID`` only (unset: in every
+  process that reads the plan), so that a test can break one worker and retry on the others.
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 SAMPLE_ERROR_ENV = "CPD_FAULT_SAMPLE_ERROR_SEED"
 STEP_ERROR_ENV = "CPD_FAULT_STEP_ERROR_SEED"
+STEP_HANG_ENV = "CPD_FAULT_STEP_HANG_SEED"
+STEP_HANG_S_ENV = "CPD_FAULT_STEP_HANG_S"
+WORKER_ENV = "CPD_FAULT_WORKER"
 
 
 class InjectedFault(RuntimeError):
@@ -35,15 +44,23 @@ class FaultPlan:
 
     sample_error_seed: int | None = None
     step_error_seed: int | None = None
+    step_hang_seed: int | None = None
+    step_hang_s: float | None = None  # None: the hang never ends
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "FaultPlan":
+    def from_env(cls, env: Mapping[str, str] | None = None, worker_id: str | None = None) -> "FaultPlan":
+        """The plan of the process ``worker_id`` (None: any) from ``env`` (default: the environment)."""
         env = os.environ if env is None else env
-        return cls(_seed_env(env, SAMPLE_ERROR_ENV), _seed_env(env, STEP_ERROR_ENV))
+        target = env.get(WORKER_ENV, "").strip()
+        if target and target != worker_id:
+            return cls()
+        hang_s = env.get(STEP_HANG_S_ENV, "").strip()
+        return cls(_seed_env(env, SAMPLE_ERROR_ENV), _seed_env(env, STEP_ERROR_ENV), _seed_env(env, STEP_HANG_ENV),
+                   float(hang_s) if hang_s else None)
 
     @property
     def active(self) -> bool:
-        return self.sample_error_seed is not None or self.step_error_seed is not None
+        return any(s is not None for s in (self.sample_error_seed, self.step_error_seed, self.step_hang_seed))
 
     def check_sample(self, seed: int | None) -> None:
         """Raise :class:`InjectedFault` if sampling for a request with this seed must fail."""
@@ -51,6 +68,12 @@ class FaultPlan:
             raise InjectedFault(f"injected sampling fault (seed {seed})")
 
     def check_step(self, seeds: Iterable[int | None]) -> None:
-        """Raise :class:`InjectedFault` if a step scheduling these requests must fail."""
-        if self.step_error_seed is not None and self.step_error_seed in set(seeds):
+        """Raise :class:`InjectedFault` if a step scheduling these requests must fail; block
+        (forever, or ``step_hang_s``) if it must hang."""
+        if self.step_error_seed is None and self.step_hang_seed is None:
+            return
+        seeds = set(seeds)
+        if self.step_hang_seed is not None and self.step_hang_seed in seeds:
+            threading.Event().wait(self.step_hang_s)  # nothing sets it: a step that does not return
+        if self.step_error_seed is not None and self.step_error_seed in seeds:
             raise InjectedFault(f"injected step fault (seed {self.step_error_seed})")

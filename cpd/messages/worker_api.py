@@ -12,7 +12,8 @@ endpoint                       request body              answer
                                                          ``stream_progress``: NDJSON
                                                          :class:`PrefillLine` per line
 ``POST /decode``               :class:`DecodeRequest`    NDJSON :class:`DecodeLine` per line
-                                                         (an empty line is a heartbeat)
+                                                         (a heartbeat line: engine progress
+                                                         only; old workers: an empty line)
 ``POST /append``               :class:`AppendRequest`    NDJSON :class:`DecodeLine` per line
                                                          (decode-local append; the first line
                                                          carries the prefix-cache figures)
@@ -28,7 +29,7 @@ any error                      –                         :class:`ErrorBody`
 """
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -108,19 +109,29 @@ class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
         return sum(self.num_cached_tokens_by_tier.values())
 
 
+RequestState = Literal["queued", "running", "held"]
+"""A request's place in its worker's engine: queued (not yet admitted: waiting for the requests
+ahead, or for KV blocks), running (admitted, computed each step it is scheduled), held (its
+prefill is done, its KV kept for the handoff)."""
+
+
 class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
     """One NDJSON line of ``POST /prefill`` with ``stream_progress``: exactly one of
 
     * progress (``num_engine_steps``; sent every ``PREFILL_PROGRESS_S`` while the request is
       queued or computed): the worker's count of engine steps that ran a forward. It advances
       while this worker computes anything, this request or the ones queued before it; a worker
-      whose count stops is stalled, one that sends no line is stopped or gone;
+      whose count stops is stalled, one that sends no line is stopped or gone. With it
+      ``engine_stuck`` (the worker's own verdict: its current step has run past its
+      ``engine.max_step_s``) and ``request_state`` (:data:`RequestState`);
     * ``answer``: the prefill's answer (the last line);
     * ``error``: the request failed on the worker (the last line)."""
 
     num_engine_steps: int | None = None
     answer: PrefillResponse | None = None
     error: str | None = None
+    engine_stuck: bool = False
+    request_state: RequestState | None = None
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,13 +161,27 @@ class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):
     """One NDJSON line of ``POST /decode`` or ``POST /append``: new tokens, the finish reason on
     the last one, or ``error`` (the request failed on the worker). The first line of an append
     also carries ``num_cached_tokens_by_tier`` (prompt tokens whose KV came from each tier) and
-    ``queue_s`` (seconds the request waited in the engine)."""
+    ``queue_s`` (seconds the request waited in the engine).
+
+    A heartbeat line (sent after ``DECODE_HEARTBEAT_S`` without output) has no tokens, no finish
+    reason and no error, only the engine's progress, as a :class:`PrefillLine` progress line:
+    ``num_engine_steps``, ``engine_stuck``, ``request_state``. The router bounds the stream by it
+    (an engine whose step count stops, or that calls itself stuck, fails the stream), not by the
+    heartbeats alone (an event loop outlives a stuck engine thread)."""
 
     token_ids: list[int] = []
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens_by_tier: dict[Tier, int] | None = None
     queue_s: float | None = None
+    num_engine_steps: int | None = None
+    engine_stuck: bool = False
+    request_state: RequestState | None = None
+
+    @property
+    def is_heartbeat(self) -> bool:
+        return not self.token_ids and self.finish_reason is None and self.error is None and \
+            self.num_engine_steps is not None
 
 
 class RoleChangeRequest(msgspec.Struct, frozen=True):
@@ -181,6 +206,8 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     consecutive_failed_steps: int = 0
     num_failed_steps: int = 0
     last_error: str | None = None
+    stuck: bool = False  # the current engine step has run past engine.max_step_s (unhealthy)
+    current_step_s: float = 0.0  # how long the current engine step has run (0: none running)
 
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,9 +2,12 @@
 (:class:`cpd.messages.worker_api.DecodeLine`) become :class:`GenerationChunk` values.
 
 Every wait is bounded (:class:`cpd.router.timeouts.DispatchTimeouts`): the decode slot until the
-staging's deadline, the response headers, then each line (the worker sends an empty heartbeat
-line while the request waits in its queue). What a retry can fix raises :class:`DecodeFailed`
-(the worker failed in transport or time: ``worker_failed``; the staging is gone:
+staging's deadline, the response headers, then each line (the worker sends a heartbeat line with
+its engine's step count while the request waits in its queue) and the engine's progress (its step
+count advancing within ``decode_stall_s``; a heartbeat that says the engine is stuck, or a 503
+``engine_stuck`` refusal, ends the attempt at once): a worker whose engine thread is stuck under a
+live event loop never holds a stream. What a retry can fix raises :class:`DecodeFailed` (the
+worker failed in transport, time or progress: ``worker_failed``; the staging is gone:
 ``handoff_lost``); the rest raises :class:`BackendError`.
 """
 from __future__ import annotations
@@ -62,8 +65,7 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
         r = await asyncio.wait_for(client.send(http_req, stream=True), timeouts.connect_s + first_byte_s)
         if r.status_code != 200:
             await _decode_refused(metrics, w.worker_id, r)
-        async with aclosing(_lines(r, timeouts.decode_idle_s, w.worker_id, on_first_line,
-                                   first_token_deadline)) as chunks:
+        async with aclosing(_lines(r, timeouts, w.worker_id, on_first_line, first_token_deadline)) as chunks:
             async for chunk in chunks:
                 yield chunk
                 if chunk.finish_reason is not None:
@@ -77,31 +79,44 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
             await r.aclose()
 
 
-async def _lines(r: httpx.Response, idle_s: float, worker_id: str,
+async def _lines(r: httpx.Response, timeouts: DispatchTimeouts, worker_id: str,
                  on_first_line: Callable[[DecodeLine], None] | None = None,
                  first_deadline: float | None = None) -> AsyncGenerator[GenerationChunk, None]:
-    """The stream's lines as chunks, each within ``idle_s`` of the last (heartbeats skipped), the
-    first one with content by ``first_deadline`` (monotonic) when given."""
+    """The stream's lines as chunks, each wait bounded by :meth:`DispatchTimeouts.decode_deadline`
+    (a line within ``decode_idle_s``, the engine's step count or the tokens advancing within
+    ``decode_stall_s``), the first one with content by ``first_deadline`` (monotonic) when given.
+    Heartbeats are skipped; one whose ``engine_stuck`` is set fails the stream at once."""
     lines = r.aiter_lines().__aiter__()
     first = True
+    last_line_s = last_step_s = time.monotonic()
+    steps: int | None = None
     while True:
-        wait_s = idle_s
-        if first and first_deadline is not None:
-            wait_s = min(idle_s, first_deadline - time.monotonic())
-            if wait_s <= 0:
-                raise DecodeFailed(f"{worker_id}: no first token within the bound", worker_failed=True)
+        deadline_s, why = timeouts.decode_deadline(last_line_s, last_step_s)
+        if first and first_deadline is not None and first_deadline < deadline_s:
+            deadline_s, why = first_deadline, "no first token within the bound"
         try:
-            line = await asyncio.wait_for(lines.__anext__(), wait_s)
+            line = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline_s - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}", worker_failed=True) from None
         except StopAsyncIteration:
             raise DecodeFailed("stream ended without a finish_reason", worker_failed=True) from None
+        last_line_s = time.monotonic()
         if not line:
-            continue  # heartbeat
+            continue  # an empty heartbeat (a worker that reports no progress): the idle bound only
         try:
             msg = decode_body(line.encode(), DecodeLine)
         except MalformedBody as e:
             raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
         if msg.error is not None:
             raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
+        if msg.is_heartbeat:
+            if msg.engine_stuck:
+                raise DecodeFailed(f"{worker_id}: its engine is stuck (a step past its bound; request "
+                                   f"{msg.request_state or 'unknown'})", worker_failed=True)
+            if msg.num_engine_steps != steps:
+                steps, last_step_s = msg.num_engine_steps, last_line_s
+            continue
+        last_step_s = last_line_s
         if first and on_first_line is not None:
             on_first_line(msg)
         first = False
@@ -109,13 +124,17 @@ async def _lines(r: httpx.Response, idle_s: float, worker_id: str,
 
 
 async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Response) -> None:
-    """A non-200 answer to ``POST /decode``: a lost staging is retryable, the rest is not."""
+    """A non-200 answer to ``POST /decode``: a lost staging or a stuck engine is retryable, the
+    rest is not."""
     raw = await r.aread()
     text = raw[:300].decode(errors="replace")
     try:
         code = decode_body(raw, ErrorBody).code
     except MalformedBody:
         code = None
+    if code == "engine_stuck":  # the worker failed: exclude it, retry elsewhere
+        metrics.fallbacks.labels("engine_stuck").inc()
+        raise DecodeFailed(f"decode worker {worker_id} refused ({r.status_code}): {text}", worker_failed=True)
     if r.status_code == 410 or code in ("handoff_stale", "handoff_unavailable"):
         metrics.fallbacks.labels("handoff_stale" if r.status_code == 410 else "handoff_unavailable").inc()
         raise DecodeFailed(f"handoff lost ({r.status_code}): {text}", handoff_lost=True)

@@ -3,7 +3,9 @@ sends a :class:`cpd.messages.worker_api.PrefillLine` with its engine step count 
 the answer. The call is bounded by progress (:meth:`cpd.router.timeouts.DispatchTimeouts.prefill_deadline`):
 a prefill that keeps progressing runs to its end however long it is; a worker that stops sending
 lines (SIGSTOP, crash, cut link) or whose engine stops stepping fails the call with
-:class:`PrefillStalled` within the idle / stall bound, so the caller retries elsewhere.
+:class:`PrefillStalled` within the idle / stall bound, so the caller retries elsewhere; so does a
+worker that says its engine is stuck (``engine_stuck`` on a progress line, or a 503
+``engine_stuck`` refusal), at once.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from cpd.messages.worker_api import MalformedBody, PrefillLine, PrefillRequest, PrefillResponse, decode_body, encode
+from cpd.messages.worker_api import (ErrorBody, MalformedBody, PrefillLine, PrefillRequest, PrefillResponse,
+                                     decode_body, encode)
 from cpd.router.protocol import BackendError
 from cpd.router.timeouts import DispatchTimeouts
 
@@ -31,7 +34,8 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
 
     Raises:
         PrefillStalled: no line within ``prefill_idle_s`` (headers included, plus ``connect_s``),
-            no engine step within ``prefill_stall_s``, or no answer within ``prefill_cap_s``.
+            no engine step within ``prefill_stall_s``, no answer within ``prefill_cap_s``, or the
+            worker says its engine is stuck.
         httpx.TransportError: connection refused or reset, or the stream ended without an answer.
         BackendError: 502 for a refusal (non-200), an error line or a malformed line."""
     sent_s = time.monotonic()
@@ -48,11 +52,20 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
     try:
         if r.status_code != 200:
             raw = await r.aread()
+            if _error_code(raw) == "engine_stuck":  # the worker failed: the caller retries elsewhere
+                raise PrefillStalled(f"{worker_id} refused: {raw[:200].decode(errors='replace')}")
             raise BackendError(f"prefill worker {worker_id} error: {raw[:200].decode(errors='replace')}", 502,
                                "server_error")
         return await _answer(r.aiter_lines(), timeouts, sent_s, worker_id)
     finally:
         await r.aclose()
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        return decode_body(raw, ErrorBody).code
+    except MalformedBody:
+        return None
 
 
 def _with_progress(body: PrefillRequest) -> PrefillRequest:
@@ -84,5 +97,8 @@ async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s:
             return msg.answer
         if msg.error is not None:
             raise BackendError(f"prefill worker {worker_id} error: {msg.error}", 502, "server_error")
+        if msg.engine_stuck:
+            raise PrefillStalled(f"{worker_id}: its engine is stuck (a step past its bound; request "
+                                 f"{msg.request_state or 'unknown'}); engine steps seen: {msg.num_engine_steps}")
         if msg.num_engine_steps != steps:
             steps, last_step_s = msg.num_engine_steps, last_line_s

@@ -36,7 +36,17 @@ class DispatchTimeouts:
       :meth:`decode_first_byte_s` = ``min(decode_cap_s, decode_floor_s + decode_slack × kv_bytes /
       handoff_bytes_per_s)``; then at most ``decode_idle_s`` between NDJSON lines (decode workers
       send a heartbeat line every 0.5 s while a request waits in their queue, so this bound is
-      independent of queueing).
+      independent of queueing), and the worker's engine step count (carried by the heartbeats)
+      advancing within ``decode_stall_s`` (:meth:`decode_deadline`): heartbeats prove only that
+      the worker's event loop lives, and a stuck engine thread (a step that never returns) under
+      a live loop would otherwise hold the stream forever. The same holds for an append.
+    * Any stream (prefill progress lines, decode heartbeats): a line whose ``engine_stuck`` is set
+      (the worker's own verdict, its current step ran past its ``engine.max_step_s``) fails the
+      call at once, as does a 503 ``engine_stuck`` refusal: the worker is excluded and the request
+      retried elsewhere (before its first decoded token) or failed with a clear error (after).
+      With the defaults a stuck decode worker ends its streams within ``engine.max_step_s`` (120 s)
+      plus a heartbeat (0.5 s); ``decode_stall_s`` is the router's own bound, for a worker that
+      does not judge itself.
     * ``POST /handoff/release``: ``release_s``.
     * Decode slot: a request waits at most until its staging's reclaim time minus
       :meth:`staging_margin` (``min(staging_margin_s, lifetime / 4)``).
@@ -60,6 +70,10 @@ class DispatchTimeouts:
     decode_cap_s: float = 120.0
     handoff_bytes_per_s: float = 1e9
     decode_idle_s: float = 10.0
+    # One engine step must fit, and a decode worker's step may carry an append's prefill chunk of
+    # the whole token budget (as a prefill worker's: the same 120 s as prefill_stall_s). Within it
+    # a queued request's wait is free: the worker's steps advance while it serves the others.
+    decode_stall_s: float = 120.0
     release_s: float = 5.0
     staging_margin_s: float = 5.0
     max_prefill_attempts: int = 2
@@ -77,6 +91,15 @@ class DispatchTimeouts:
                    (last_step_s + self.prefill_stall_s,
                     f"the worker's engine made no step for {self.prefill_stall_s:g} s (stuck)"),
                    (sent_s + self.prefill_cap_s, f"the prefill ran past the cap of {self.prefill_cap_s:g} s"))
+
+    def decode_deadline(self, last_line_s: float, last_step_s: float) -> tuple[float, str]:
+        """When a decode or append stream whose last line came at ``last_line_s`` and whose worker
+        last advanced its engine step count (or sent tokens) at ``last_step_s`` stops being
+        waited for, and why."""
+        return min((last_line_s + self.decode_idle_s,
+                    f"no line from the worker for {self.decode_idle_s:g} s (stopped, dead or unreachable)"),
+                   (last_step_s + self.decode_stall_s,
+                    f"the worker's engine made no step for {self.decode_stall_s:g} s (stuck)"))
 
     def decode_first_byte_s(self, kv_bytes: int) -> float:
         return min(self.decode_cap_s, self.decode_floor_s + self.decode_slack * max(0, kv_bytes) / self.handoff_bytes_per_s)

@@ -114,7 +114,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     engine = Engine(cfg.model.dir, num_blocks=e.num_blocks, block_size=e.block_size,
                     host_kv_bytes=cfg.kv.host_kv_bytes, scheduler_config=sched, connector=connector,
                     event_sink=publisher.emit, executor=executor, dtype=_torch_dtype(cfg, executor),
-                    faults=FaultPlan.from_env())  # test-only CPD_FAULT_* variables; none in production
+                    faults=FaultPlan.from_env(worker_id=me.worker_id))  # test-only CPD_FAULT_* variables
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
     if me.role == "decode":
@@ -123,7 +123,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
         sender = HandoffSender(arena_bytes=cfg.handoff.arena_bytes, bind_host=me.host,
                                advertise_host=me.advertise_host or None,
                                reclaim_after_s=cfg.handoff.reclaim_after_s, secret=cfg.auth.secret())
-    runner = EngineRunner(engine, publisher)
+    runner = EngineRunner(engine, publisher, max_step_s=e.max_step_s)
     return WorkerState(me.role, me.worker_id, engine, runner, sender, receiver, publisher, connector)
 
 

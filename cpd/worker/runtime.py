@@ -11,7 +11,9 @@ Failures (issue 7 §2): a request the engine finishes with ``"error"`` gets a
 only). A step whose forward failed, or an exception escaping ``Engine.step`` (an engine
 bug: every live request is failed, as nothing tells which one caused it), counts as a
 failed step in :class:`StepHealth`; the worker reports unhealthy only while steps keep
-failing (see there), never because of one old error.
+failing (see there), never because of one old error. A step that does not end (a hung kernel,
+a deadlock) is seen from outside the engine thread: while the current step has run longer than
+``max_step_s`` the worker is *stuck* and reports unhealthy (:meth:`EngineRunner.health`).
 """
 from __future__ import annotations
 
@@ -81,8 +83,11 @@ class DuplicateRequestId(ValueError):
 class EngineRunner:
     """Runs ``engine.step()`` in a dedicated thread while there is work."""
 
-    def __init__(self, engine, publisher: EventPublisher | None, health: StepHealth | None = None):
+    def __init__(self, engine, publisher: EventPublisher | None, health: StepHealth | None = None,
+                 max_step_s: float = 120.0):
         self.engine = engine
+        self.max_step_s = max_step_s
+        self._step_started_s: float | None = None  # monotonic start of the step running now
         self.publisher = publisher
         self.engine_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -94,9 +99,24 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
+    def current_step_s(self, now_s: float | None = None) -> float:
+        """Seconds the engine's current step has run (0.0 when no step runs)."""
+        started = self._step_started_s
+        return 0.0 if started is None else (time.monotonic() if now_s is None else now_s) - started
+
+    def stuck(self) -> bool:
+        """Whether the current step has run longer than ``max_step_s`` (any thread may ask)."""
+        return self.current_step_s() > self.max_step_s
+
     def health(self) -> dict:
-        """The worker's current health (see :class:`StepHealth`)."""
-        return self.step_health.report(time.monotonic())
+        """The worker's current health: :class:`StepHealth`'s report, unhealthy also while the
+        current step is stuck (``stuck``, ``current_step_s``)."""
+        now = time.monotonic()
+        report = self.step_health.report(now)
+        step_s = self.current_step_s(now)
+        stuck = step_s > self.max_step_s
+        report.update(healthy=report["healthy"] and not stuck, stuck=stuck, current_step_s=round(step_s, 3))
+        return report
 
     def open_stream(self, request_id: str) -> RequestStream:
         """The output stream of a new request.
@@ -148,7 +168,11 @@ class EngineRunner:
                 continue
             try:
                 with self.engine_lock:
-                    outputs = self.engine.step()
+                    self._step_started_s = time.monotonic()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_started_s = None
                     step_error = getattr(self.engine, "last_step_error", None)
             except BaseException as e:  # an engine bug outside its own isolation: fail every waiter, never hang
                 self.step_health.record_failure(e, time.monotonic())

@@ -12,9 +12,13 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
   not by a guess of its length (:mod:`cpd.router.prefill_relay`).
 - ``POST /decode`` (:class:`DecodeRequest` → NDJSON lines of :class:`DecodeLine`): fetches the KV
   (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
-  checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; an
-  empty line is a heartbeat, sent every ``DECODE_HEARTBEAT_S`` without output, so the router can
-  bound idle time without knowing how long this worker queues the request. A handle that no
+  checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; a
+  heartbeat line (the engine's step count, whether it is stuck, the request's state) is sent
+  every ``DECODE_HEARTBEAT_S`` without output, so the router can bound the stream by the engine's
+  progress without knowing how long this worker queues the request (heartbeats alone prove only
+  that the event loop lives, not the engine thread). While the engine's current step has run past
+  ``engine.max_step_s`` (stuck), ``/prefill``, ``/decode`` and ``/append`` answer 503
+  ``{"code": "engine_stuck"}`` at once and ``/health`` answers 503. A handle that no
   longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
   sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
 - ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
@@ -169,6 +173,22 @@ async def _next_output(stream, request: Request, heartbeat_s: float | None = Non
         return item
 
 
+def _progress_fields(st: WorkerState, rid: str) -> dict[str, Any]:
+    """The engine's progress as a heartbeat or progress line carries it (:class:`DecodeLine`,
+    :class:`PrefillLine`); read without the engine lock (a stuck step holds it)."""
+    return {"num_engine_steps": st.engine.num_steps, "engine_stuck": st.runner.stuck(),
+            "request_state": st.engine.request_state(rid)}
+
+
+def _stuck_refusal(st: WorkerState) -> Response | None:
+    """503 ``engine_stuck`` while the engine's current step is stuck (new work would wait behind
+    it without bound; the router retries elsewhere), else None."""
+    if not st.runner.stuck():
+        return None
+    return _error(f"worker {st.worker_id}: engine step running for {st.runner.current_step_s():.1f} s, past "
+                  f"its bound of {st.runner.max_step_s:g} s (stuck)", 503, "engine_stuck")
+
+
 def build_app(st: WorkerState) -> FastAPI:
     app = FastAPI(title=f"cpd worker {st.worker_id}")
 
@@ -219,7 +239,7 @@ def build_app(st: WorkerState) -> FastAPI:
             body = await _read(request, PrefillRequest)
         except MalformedBody as e:
             return _error(f"bad prefill request: {e}", 400)
-        return await _prefill(st, body, request)
+        return _stuck_refusal(st) or await _prefill(st, body, request)
 
     @app.post("/append")
     async def append(request: Request):
@@ -230,7 +250,7 @@ def build_app(st: WorkerState) -> FastAPI:
         if st.role != Role.DECODE:
             return _error(f"decode-local append on a {st.role} worker: only decode workers append", 409,
                           "wrong_role")
-        return _append(st, body, request)
+        return _stuck_refusal(st) or _append(st, body, request)
 
     @app.post("/role")
     async def role(request: Request):
@@ -260,7 +280,7 @@ def build_app(st: WorkerState) -> FastAPI:
             body = await _read(request, DecodeRequest)
         except MalformedBody as e:
             return _error(f"bad decode request: {e}", 400)
-        return await _decode(st, body, request)
+        return _stuck_refusal(st) or await _decode(st, body, request)
 
     @app.on_event("shutdown")
     async def _shutdown():
@@ -324,7 +344,7 @@ async def _prefill_lines(st: WorkerState, rid: str, stream, request: Request, t0
         while not task.done():
             await asyncio.wait({task}, timeout=PREFILL_PROGRESS_S)
             if not task.done():
-                yield encode(PrefillLine(num_engine_steps=st.engine.num_steps)) + b"\n"
+                yield encode(PrefillLine(**_progress_fields(st, rid))) + b"\n"
         try:
             line = PrefillLine(answer=task.result())
         except RuntimeError as e:  # the engine failed this step
@@ -478,15 +498,16 @@ async def _append_stream(st: WorkerState, rid: str, stream, request: Request):
 
 
 async def _ndjson_lines(st: WorkerState, rid: str, stream, request: Request, first_line=None, on_first=None):
-    """Engine outputs of ``rid`` as NDJSON lines, with an empty heartbeat line after each
-    ``DECODE_HEARTBEAT_S`` without output; ``first_line`` may rewrite the first line and
-    ``on_first`` runs at the first output. Aborted (blocks freed) if it ends unfinished."""
+    """Engine outputs of ``rid`` as NDJSON lines, with a heartbeat line (the engine's progress,
+    :func:`_progress_fields`) after each ``DECODE_HEARTBEAT_S`` without output; ``first_line``
+    may rewrite the first line and ``on_first`` runs at the first output. Aborted (blocks freed)
+    if it ends unfinished."""
     finished, first = False, True
     try:
         while not finished:
             out = await _next_output(stream, request, heartbeat_s=DECODE_HEARTBEAT_S)
             if out is None:
-                yield b"\n"
+                yield encode(DecodeLine(**_progress_fields(st, rid))) + b"\n"
                 continue
             finished = out.finished
             line = DecodeLine(token_ids=list(out.new_token_ids), finish_reason=out.finish_reason)

@@ -1,0 +1,133 @@
+"""A stuck engine (a step that never returns) bounds every wait on its worker:
+
+* the router's decode relay ends a stream whose heartbeats keep coming while the engine's step
+  count stands still (``decode_stall_s``), or that says the engine is stuck, and keeps one whose
+  engine steps (a queued request) however long it waits;
+* the worker sees its own stuck step (:class:`cpd.worker.runtime.EngineRunner`): unhealthy while
+  the step runs past ``max_step_s``, healthy again when it ends;
+* the fault that makes the stuck step (:class:`cpd.engine.faults.FaultPlan`) blocks and targets
+  one worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from cpd.engine.engine import Engine, EngineRequest
+from cpd.engine.executor_modeled import build_modeled_executor
+from cpd.engine.faults import FaultPlan
+from cpd.engine.sampling import SamplingParams
+from cpd.messages.worker_api import DecodeLine, encode
+from cpd.router.decode_relay import DecodeFailed, _lines
+from cpd.router.timeouts import DispatchTimeouts
+from cpd.worker.runtime import EngineRunner
+
+T = DispatchTimeouts(decode_idle_s=1.0, decode_stall_s=0.6)
+
+
+def test_decode_deadline_names_the_bound_that_ends_first():
+    deadline, why = T.decode_deadline(last_line_s=10.0, last_step_s=10.0)
+    assert deadline == 10.6 and "no step" in why
+    deadline, why = T.decode_deadline(last_line_s=10.0, last_step_s=10.5)
+    assert deadline == 11.0 and "no line" in why
+
+
+def _response(lines: list[tuple[float, DecodeLine | None]]) -> httpx.Response:
+    """A streamed 200 whose lines come after the given pauses (None: an old worker's empty line)."""
+    async def body():
+        for pause_s, line in lines:
+            await asyncio.sleep(pause_s)
+            yield b"\n" if line is None else encode(line) + b"\n"
+    return httpx.Response(200, content=body())
+
+
+async def _relay(lines) -> tuple[list, float]:
+    t0, out = time.monotonic(), []
+    async for c in _lines(_response(lines), T, "d9"):
+        out.append(c)
+        if c.finish_reason is not None:  # where the relay stops reading
+            break
+    return out, time.monotonic() - t0
+
+
+def _beat(steps: int, stuck: bool = False) -> DecodeLine:
+    return DecodeLine(num_engine_steps=steps, engine_stuck=stuck, request_state="running")
+
+
+def test_heartbeats_of_an_engine_that_does_not_step_end_the_stream_within_the_stall_bound():
+    beats = [(0.1, _beat(7)) for _ in range(40)]  # 4 s of live heartbeats, the step count stands still
+    with pytest.raises(DecodeFailed, match="no step") as e:
+        asyncio.run(_relay(beats))
+    assert e.value.worker_failed
+
+
+def test_a_heartbeat_saying_stuck_ends_the_stream_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(DecodeFailed, match="stuck") as e:
+        asyncio.run(_relay([(0.05, _beat(1)), (0.05, _beat(1, stuck=True)), (5.0, _beat(2))]))
+    assert e.value.worker_failed and time.monotonic() - t0 < 0.5
+
+
+def test_a_queued_request_waits_while_the_engine_steps_however_long():
+    beats = [(0.1, _beat(i)) for i in range(20)]  # 2 s queued: over 3 stall bounds, steps advancing
+    out, elapsed = asyncio.run(_relay(beats + [(0.1, DecodeLine(token_ids=[5], finish_reason="length"))]))
+    assert [c.token_ids for c in out] == [[5]] and elapsed > 3 * T.decode_stall_s
+
+
+def test_tokens_are_progress_too():
+    lines = [(0.2, DecodeLine(token_ids=[i])) for i in range(8)] + [(0.2, DecodeLine(finish_reason="stop"))]
+    out, elapsed = asyncio.run(_relay(lines))
+    assert len(out) == 9 and elapsed > T.decode_stall_s
+
+
+def test_the_hang_fault_blocks_for_its_time_and_targets_its_worker():
+    env = {"CPD_FAULT_STEP_HANG_SEED": "3", "CPD_FAULT_STEP_HANG_S": "0.3", "CPD_FAULT_WORKER": "d1"}
+    assert not FaultPlan.from_env(env, worker_id="d0").active
+    plan = FaultPlan.from_env(env, worker_id="d1")
+    t0 = time.monotonic()
+    plan.check_step([1, 2])
+    assert time.monotonic() - t0 < 0.1
+    plan.check_step([1, 3])
+    assert time.monotonic() - t0 >= 0.3
+
+
+def _engine(model_dir: str, hang_s: float) -> Engine:
+    return Engine(None, num_blocks=256, executor=build_modeled_executor("llama-3.1-8b", "b200", 1,
+                                                                       served_model_dir=model_dir),
+                  faults=FaultPlan(step_hang_seed=3, step_hang_s=hang_s))
+
+
+def _wait(cond, timeout_s: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_a_worker_whose_step_runs_past_its_bound_reports_stuck_until_the_step_ends(tiny_model_dir):
+    engine = _engine(tiny_model_dir, hang_s=1.5)
+    runner = EngineRunner(engine, None, max_step_s=0.4)
+
+    async def scenario():
+        assert runner.health()["healthy"] and not runner.stuck()
+        runner.submit(EngineRequest("ok", list(range(20, 60)), SamplingParams(max_tokens=1)))
+        await asyncio.to_thread(_wait, lambda: engine.request_state("ok") is None)  # served, idle again
+        assert runner.health()["healthy"]
+        runner.submit(EngineRequest("hang", list(range(20, 60)), SamplingParams(max_tokens=1, seed=3)))
+        stuck_after_s = await asyncio.to_thread(_wait, runner.stuck)
+        h = runner.health()
+        assert not h["healthy"] and h["stuck"] and h["current_step_s"] > 0.4, h
+        assert engine.request_state("hang") in ("queued", "running")  # answered while the step holds its lock
+        runner.abort("hang")
+        await asyncio.to_thread(_wait, lambda: not runner.stuck())
+        return stuck_after_s
+    try:
+        stuck_after_s = asyncio.run(scenario())
+    finally:
+        runner.close()
+    assert 0.4 <= stuck_after_s < 1.5
+    assert runner.health()["healthy"] and engine.pool_stats()["num_in_use"] == 0
