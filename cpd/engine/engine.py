@@ -626,9 +626,9 @@ class Engine:
         if r.num_registered >= n_full:
             return
         self._ensure_hashes(r, n_full)
-        for i in range(r.num_registered, n_full):
-            self.pool.register(r.blocks[i], r.hashes[i], r.hashes[i - 1] if i else None,
-                               r.tokens[i * bs:(i + 1) * bs])
+        k = r.num_registered
+        self.pool.register_run(r.blocks[k:n_full], r.hashes[k:n_full], r.hashes[k - 1] if k else None,
+                               r.tokens[k * bs:n_full * bs])
         r.num_registered = n_full
 
     def _copy_in(self, blocks: Sequence[int], data: Sequence) -> None:
@@ -693,10 +693,10 @@ class Engine:
     def _register_loaded(self, r: _Req, hashes: list[int], k: int, blocks: Sequence[int], tier: str) -> None:
         """Register ``blocks`` (just filled from ``tier``) as the request's blocks ``k, k+1, ...``."""
         bs = self.block_size
-        for j, b in enumerate(blocks):
-            i = k + j
-            self.pool.register(b, hashes[i], hashes[i - 1] if i else None, r.tokens[i * bs:(i + 1) * bs])
-            r.loaded_tier.setdefault(hashes[i], tier)
+        e = k + len(blocks)
+        self.pool.register_run(blocks, hashes[k:e], hashes[k - 1] if k else None, r.tokens[k * bs:e * bs])
+        for h in hashes[k:e]:
+            r.loaded_tier.setdefault(h, tier)
 
     def _promote_l2(self, r: _Req, hashes: list[int], k: int, m: int) -> int:
         """Copy up to ``m`` blocks from the L2 host pool into fresh L1 blocks after the first ``k``;

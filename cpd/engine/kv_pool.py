@@ -59,7 +59,10 @@ class KVPool:
         self.kv = self.arrays.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim))
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self._meta: dict[int, tuple[int | None, list[int]]] = {}  # block -> (parent hash, tokens)
+        # block -> (parent hash, token list, start): the block's tokens are list[start:start + block_size]
+        # (a run registered at once shares one list, sliced per block only when spilled to L2), or
+        # the whole list for start None (register)
+        self._meta: dict[int, tuple[int | None, list[int], int | None]] = {}
         self.cached: dict[int, int] = {}  # hash -> block
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -123,28 +126,69 @@ class KVPool:
             return False
         self.block_hash[block] = block_hash
         toks = token_ids if type(token_ids) is list else [int(t) for t in token_ids]
-        self._meta[block] = (parent_hash, toks)
+        self._meta[block] = (parent_hash, toks, None)
         self.cached[block_hash] = block
         self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash, token_ids=toks,
                                block_size=self.block_size, medium=MEDIUM_L1))
         return True
 
-    def _evict_one(self) -> int:
+    def register_run(self, blocks: Sequence[int], block_hashes: Sequence[int], parent_hash: int | None,
+                     token_ids: list[int]) -> int:
+        """:meth:`register` a chain of blocks at once: ``blocks[i]`` under ``block_hashes[i]``, whose
+        parent is ``block_hashes[i - 1]`` (``parent_hash`` for the first), with tokens
+        ``token_ids[i * block_size:(i + 1) * block_size]`` (a list of ints, kept as given). The
+        same blocks are registered and skipped as by one :meth:`register` per block, in order, but
+        each run of consecutive registered blocks is announced by one ``BlockStored`` (its hashes,
+        the parent of its first, its tokens: vLLM's event for a request's newly full blocks).
+        Returns how many were registered."""
+        bs = self.block_size
+        n = 0
+        start = -1  # first block of the pending run of registered blocks
+        for i, (b, h) in enumerate(zip(blocks, block_hashes)):
+            if self.block_hash[b] is not None or h in self.cached:  # as register(): skipped
+                self._emit_run(block_hashes, parent_hash, token_ids, start, i)
+                start = -1
+                continue
+            self.block_hash[b] = h
+            self._meta[b] = (block_hashes[i - 1] if i else parent_hash, token_ids, i * bs)
+            self.cached[h] = b
+            n += 1
+            if start < 0:
+                start = i
+        self._emit_run(block_hashes, parent_hash, token_ids, start, len(blocks))
+        return n
+
+    def _emit_run(self, hashes: Sequence[int], parent_hash: int | None, token_ids: list[int], s: int, e: int) -> None:
+        """``BlockStored`` of blocks ``s .. e-1`` of a run (nothing if ``s < 0``)."""
+        if s < 0 or self._sink is None:
+            return
+        bs = self.block_size
+        whole = s == 0 and e * bs == len(token_ids)
+        self._emit(BlockStored(block_hashes=list(hashes[s:e]), parent_block_hash=hashes[s - 1] if s else parent_hash,
+                               token_ids=token_ids if whole else token_ids[s * bs:e * bs],
+                               block_size=bs, medium=MEDIUM_L1))
+
+    def _evict_one(self, removed: list[int]) -> int:
+        """Reclaim the LRU cached block (spilled to L2 first); its hash goes to ``removed`` (the
+        caller announces them in one ``BlockRemoved``)."""
         b, _ = self._evictable.popitem(last=False)
         h = self.block_hash[b]
         if h is None:
             raise RuntimeError(f"evictable block {b} has no block hash")
-        parent, toks = self._meta.pop(b)
+        parent, toks, start = self._meta.pop(b)
         if self.host_pool is not None and self.host_pool.enabled:
+            if start is not None:
+                toks = toks[start:start + self.block_size]
             self.host_pool.put(h, parent, toks, self.block_view(b))  # spill before reuse
         del self.cached[h]
         self.block_hash[b] = None
         self.num_evictions += 1
-        self._emit(BlockRemoved(block_hashes=[h], medium=MEDIUM_L1))
+        removed.append(h)
         return b
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks with one reference each: free ones first, then LRU evictions.
+        """``n`` blocks with one reference each: free ones first, then LRU evictions (their L2
+        spills announced as they happen, their L1 removal in one ``BlockRemoved`` at the end).
 
         Raises:
             NoFreeBlocks: fewer than ``n`` blocks are free + evictable (nothing changes).
@@ -152,10 +196,13 @@ class KVPool:
         if n > self.num_free_blocks():
             raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks()} free")
         out = []
+        removed: list[int] = []
         for _ in range(n):
-            b = self._free.popleft() if self._free else self._evict_one()
+            b = self._free.popleft() if self._free else self._evict_one(removed)
             self.ref[b] = 1
             out.append(b)
+        if removed:
+            self._emit(BlockRemoved(block_hashes=removed, medium=MEDIUM_L1))
         return out
 
     def reset_prefix_cache(self) -> None:

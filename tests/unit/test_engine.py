@@ -242,7 +242,7 @@ def test_handoff_between_engines(make_engine, oracle):
     assert toks[len(p):] + rest == oracle(p, sp)
     # the imported prompt's full blocks were registered in the decode side's prefix cache
     stored = [x for x in ev if isinstance(x, BlockStored) and x.medium == MEDIUM_L1]
-    assert stored[0].token_ids == p[:BS]
+    assert stored[0].token_ids == p[:BS * len(stored[0].block_hashes)]  # the run of imported blocks
     assert len(dec.pool.match(hash_blocks(p, dec.namespace))) == 4
 
 
@@ -315,9 +315,12 @@ def test_events_and_reset(make_engine):
     ev = []
     e = make_engine(num_blocks=6, event_sink=ev.append)
     e.generate(prompt(90, 13), GREEDY)  # 13 + 8 tokens -> 5 full blocks computed
-    stored = [x for x in ev if isinstance(x, BlockStored)]
-    assert len(stored) == 5 and all(x.medium == MEDIUM_L1 and x.block_size == BS for x in stored)
-    assert stored[0].parent_block_hash is None and stored[1].parent_block_hash == stored[0].block_hashes[0]
+    stored = [x for x in ev if isinstance(x, BlockStored)]  # one event per run of newly full blocks
+    chain = [h for x in stored for h in x.block_hashes]
+    assert len(chain) == 5 and all(x.medium == MEDIUM_L1 and x.block_size == BS for x in stored)
+    starts = [sum(len(y.block_hashes) for y in stored[:i]) for i in range(len(stored))]
+    assert [x.parent_block_hash for x in stored] == [chain[s - 1] if s else None for s in starts]
+    assert all(len(x.token_ids) == BS * len(x.block_hashes) for x in stored)
     e.generate(prompt(91, 13), GREEDY)  # needs blocks -> evicts cached ones
     removed = [x for x in ev if isinstance(x, BlockRemoved)]
     assert removed and all(x.medium == MEDIUM_L1 for x in removed)

@@ -109,3 +109,44 @@ def test_host_pool_disabled_and_lru():
     hp.check_invariants()
     with pytest.raises(KeyError):
         hp.get(2)
+
+
+def test_register_run_is_register_per_block_with_one_event_per_run():
+    """register_run registers and skips exactly the blocks one register() per block would; each
+    run of registered blocks is one BlockStored (its hashes, its first block's parent, its tokens),
+    and a spilled block's L2 event carries its own tokens and parent."""
+    ev_run, ev_one = [], []
+    runs, ones = _pool(6, host_blocks=6, events=ev_run), _pool(6, host_blocks=6, events=ev_one)
+    for p in (runs, ones):
+        (d,) = p.allocate(1)
+        p.register(d, 13, None, [9] * 4)  # another block already caches hash 13
+    hashes, toks = [11, 12, 13, 14, 15], list(range(20))
+    a, b = runs.allocate(5), ones.allocate(5)
+    assert runs.register_run(a, hashes, 10, toks) == 4
+    assert [ones.register(blk, h, hashes[i - 1] if i else 10, toks[4 * i:4 * i + 4])
+            for i, (blk, h) in enumerate(zip(b, hashes))] == [True, True, False, True, True]
+    assert runs.block_hash == ones.block_hash and runs.cached == ones.cached
+    stored = [e for e in ev_run if isinstance(e, BlockStored)][1:]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == \
+        [([11, 12], 10, toks[:8]), ([14, 15], 13, toks[12:])]
+    assert all(e.medium == MEDIUM_L1 and e.block_size == 4 for e in stored)
+    for p, blocks in ((runs, a), (ones, b)):
+        p.release(blocks)
+        p.allocate(5)  # evicts every cached block of the run, spilling each to L2
+    spilled = [[(e.block_hashes, e.parent_block_hash, e.token_ids) for e in ev
+                if isinstance(e, BlockStored) and e.medium == MEDIUM_L2] for ev in (ev_run, ev_one)]
+    assert spilled[0] == spilled[1] and ([14], 13, toks[12:16]) in spilled[0]
+    runs.check_invariants()
+
+
+def test_allocate_announces_its_evictions_in_one_event():
+    ev = []
+    p = _pool(3, events=ev)
+    a = p.allocate(3)
+    p.register_run(a, [1, 2, 3], None, list(range(12)))
+    p.release(a)  # tail first: 3, 2, 1 is the LRU order
+    p.allocate(2)
+    removed = [e for e in ev if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and removed[0].block_hashes == [3, 2] and removed[0].medium == MEDIUM_L1
+    assert p.match([1, 2]) == [a[0]]
+    p.check_invariants()
