@@ -74,8 +74,9 @@ class TorchExecutor:
         return sample(logits[row], params, output_index, self._gen, history)
 
     def idle(self) -> None:
-        """Release the contiguous KV rows (nothing is running)."""
-        self.seq_kv.reset()
+        """Forget the contiguous KV rows (nothing is running); their storage is kept for the
+        next request (:mod:`cpd.engine.seq_kv`)."""
+        self.seq_kv.forget()
 
     def transfer(self, tier: str, num_tokens: int) -> None:
         """Real copies take their own time: nothing to add."""

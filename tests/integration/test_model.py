@@ -226,7 +226,8 @@ def test_seq_kv_rows_give_the_gather_paths_tokens(tmp_path, dtype):
     gather) give exactly the greedy tokens of the pool-gather path: very different lengths,
     chunked prefill mixed with decode rows, sequences finishing and joining (rows reused),
     preemption under block pressure; each row is filled from the pool about once per
-    sequence, the storage stays within its cap and is released when no sequence needs it."""
+    sequence, the storage stays within its cap and is kept (rows forgotten) when no sequence
+    needs it, so that the next request does not allocate it again."""
     d = make_tiny_llama_dir(tmp_path / "m", seed=6, num_heads=6, num_kv_heads=2)
     g = torch.Generator().manual_seed(9)
     lens = [3, 150, 17, 64, 1, 97, 40]
@@ -247,7 +248,8 @@ def test_seq_kv_rows_give_the_gather_paths_tokens(tmp_path, dtype):
         assert ref_bytes == 0 and ref_ex.seq_kv.num_refills == 0
         assert got == ref
         arena = got_ex.seq_kv
-        assert 0 < got_bytes <= arena.peak_bytes and arena.nbytes == 0  # released when idle
+        assert 0 < got_bytes <= arena.peak_bytes and arena.nbytes == arena.peak_bytes  # kept when idle
+        assert not arena._rows and not arena._by_seq  # ... with every row forgotten
         # a sequence's row is filled from the pool when it first continues on cached tokens
         # (again after an interruption), not every step: >= 11 decode steps per sequence
         assert arena.num_row_steps >= 11 * len(lens) and 0 < arena.num_refills <= 2 * len(lens)
@@ -266,7 +268,7 @@ def test_seq_kv_rows_give_the_gather_paths_tokens(tmp_path, dtype):
 def test_seq_kv_row_validity_rules():
     """A row is reused only for the same token list object, the same length and the same
     blocks; a sequence absent from a step loses its row; no sequence that continues = no
-    storage."""
+    rows (the storage is kept for the next ones; :meth:`reset` releases it)."""
     from types import SimpleNamespace as NS
 
     from cpd.engine.seq_kv import SeqKVArena
@@ -283,10 +285,16 @@ def test_seq_kv_row_validity_rules():
     assert ar.num_refills == 1  # valid: appended only
     ar.plan([NS(num_computed=8, num_new=1, blocks=[5, 3], token_ids=toks)], kv)
     assert ar.num_refills == 2  # other blocks: refilled
-    ar.plan([NS(num_computed=9, num_new=1, blocks=[5, 3, 4], token_ids=list(toks))], kv)
+    step = ar.plan([NS(num_computed=9, num_new=1, blocks=[5, 3, 4], token_ids=list(toks))], kv)
     assert ar.num_refills == 3  # another token list: refilled
+    # copied per run of consecutive block ids ([5], [3, 4]): the same rows as a gather
+    want = torch.cat([kv[:, :, 5], kv[:, :, 3], kv[:, :, 4, :1]], 2).transpose(2, 3)
+    assert step is not None and torch.equal(step.buf[:, :, 0, :, :9], want)
     fresh = NS(num_computed=0, num_new=9, blocks=[1, 6, 7], token_ids=list(range(9)))
-    assert ar.plan([fresh], kv) is None and ar.nbytes == 0  # one-step prefill: no row, released
+    kept = ar.nbytes
+    assert ar.plan([fresh], kv) is None and not ar._rows and ar.nbytes == kept > 0  # one-step prefill: no row
     first_chunk = NS(num_computed=0, num_new=4, blocks=[1, 6, 7], token_ids=list(range(9)))
     step = ar.plan([first_chunk], kv)
     assert step is not None and step.rows == [0] and ar.num_refills == 3  # nothing cached to copy
+    ar.reset()
+    assert ar.nbytes == 0 and ar.buf is None
