@@ -19,6 +19,7 @@ tokens are derived from the trace's block ids (:func:`block_tokens`).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import heapq
@@ -129,6 +130,52 @@ def prompt_u32(blocks: Sequence[int], num_tokens: int, block_size: int, vocab_si
     return rows.reshape(-1)[:num_tokens].astype("<u4")
 
 
+class PromptCache:
+    """The u32 token ids and block hashes of recent prompts' full blocks, so that a session's next
+    turn (its previous prompt's blocks plus a few new ones) computes and hashes only its new
+    blocks: the same ids (:func:`prompt_u32` is per block id) and the same hashes (the chain
+    continued from the cached prefix's last hash). An entry is keyed by the id of its last block
+    and holds the whole block-id prefix it covers (checked on a hit, so any workload is served
+    right); a hit that is extended replaces its entry. Bounded: least recently used entries go
+    beyond ``max_bytes`` of token ids (a session's turns come in longest-idle order, so the bound
+    must hold the sessions' working set to help: ≈ 4 bytes × context tokens × sessions)."""
+
+    def __init__(self, block_size: int, max_bytes: int = 512 << 20) -> None:
+        self.bs = block_size
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._lru: collections.OrderedDict[int, tuple[tuple[int, ...], np.ndarray, list[int]]] = \
+            collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    def longest(self, blocks: Sequence[int], num_full: int) -> tuple[int, np.ndarray | None, list[int]]:
+        """``(n, ids, hashes)``: the longest cached prefix of ``blocks[:num_full]`` (its entry is
+        removed: the caller puts the extended one back), or ``(0, None, [])``."""
+        lru = self._lru
+        for n in range(num_full, 0, -1):
+            e = lru.get(blocks[n - 1])
+            if e is not None and len(e[0]) == n and e[0] == tuple(blocks[:n]):
+                del lru[blocks[n - 1]]
+                self.nbytes -= e[1].nbytes
+                self.hits += 1
+                return n, e[1], e[2]
+        self.misses += 1
+        return 0, None, []
+
+    def put(self, blocks: Sequence[int], ids: np.ndarray, hashes: list[int]) -> None:
+        """Keep ``ids`` (u32, the full blocks ``blocks``) and their ``hashes``."""
+        if not len(blocks) or ids.nbytes > self.max_bytes:
+            return
+        old = self._lru.pop(blocks[-1], None)
+        if old is not None:
+            self.nbytes -= old[1].nbytes
+        self._lru[blocks[-1]] = (tuple(blocks), ids, hashes)
+        self.nbytes += ids.nbytes
+        while self.nbytes > self.max_bytes:
+            _, (_, a, _) = self._lru.popitem(last=False)
+            self.nbytes -= a.nbytes
+
+
 @dataclass(frozen=True)
 class EngineInstanceSpec:
     """One engine instance: role, cost model, scheduler limits, L1 blocks, L2 bytes (modeled)."""
@@ -196,6 +243,7 @@ class EngineSimulator:
         self.vocab_size = vocab_size
         self._store_name = f"cpd-sim-{id(self):x}"  # process-local L3 (cpd.store.mem_store)
         self.index = PrefixIndex()
+        self._prompts = PromptCache(self.bs)
         self.estimates = (CostEstimates(cluster.router_cost, fit_prefill=cluster.fit_router_cost)
                           if cluster.learn_router_cost else None)
         self.insts: list[_Inst] = []
@@ -232,9 +280,20 @@ class EngineSimulator:
         """The prompt token ids of request ``r`` (:func:`request_tokens`) as one :func:`prompt_u32`
         array (the engine takes it as is: one C conversion, no per-id checks) and the block
         hashes of its full blocks (what the live router computes with ``hash_blocks``), from
-        that array's bytes: nothing is kept per block id between requests."""
-        ids = prompt_u32(r.blocks, r.prompt_tokens, self.bs, self.vocab_size)
-        return ids, hash_blocks_u32le(ids.tobytes(), self.namespace)
+        that array's bytes; the longest prefix of full blocks seen in a recent prompt comes from
+        the :class:`PromptCache` (the same ids and hashes), only the rest is computed."""
+        bs, full = self.bs, r.prompt_tokens // self.bs
+        n, head, hashes = self._prompts.longest(r.blocks, full)
+        if head is None:
+            ids = prompt_u32(r.blocks, r.prompt_tokens, bs, self.vocab_size)
+            hashes = hash_blocks_u32le(ids.tobytes(), self.namespace)
+        else:
+            tail = prompt_u32(r.blocks[n:], r.prompt_tokens - n * bs, bs, self.vocab_size)
+            ids = np.concatenate((head, tail))
+            hashes = hashes + hash_blocks_u32le(tail[:(full - n) * bs].tobytes(), self.namespace,
+                                                parent_hash=hashes[-1])
+        self._prompts.put(r.blocks[:full], ids[:full * bs], hashes)
+        return ids, hashes
 
     def _prewarm(self, sessions: Sequence[Sequence[int]]) -> None:
         """Sessions that exist before t=0, their events applied to the index at once: with L3,
@@ -253,6 +312,7 @@ class EngineSimulator:
         for k, blocks in enumerate(sessions):
             ids = prompt_u32(blocks, len(blocks) * self.bs, self.bs, self.vocab_size)
             hashes = hash_blocks_u32le(ids.tobytes(), self.namespace)
+            self._prompts.put(blocks, ids, hashes)  # the session's next turn starts with them
             if writer is not None:
                 writer.save(hashes, None, no_tokens, [payload] * len(hashes))
                 continue
