@@ -12,13 +12,22 @@ Step time (seconds) of one engine step:
 
 * prefill chunks ``(n_i new, p_i cached)`` only::
 
-      t = a + Σ_i [ b·n_i + c·n_i·(p_i + n_i/2) ]
+      t = a + Σ_i [ b·n_i + c·n_i·(p_i + n_i/2) + g·p_i ]
+
+  ``g`` is per cached token a chunk reads, whatever its own length: the engine copies a cached
+  prefix into the sequence's contiguous KV row before attending (``cpd.engine.seq_kv``) and
+  attention streams it. Without it, short chunks on long prefixes fit 2× low (AMD profile:
+  rms relative residual 20 % → 4.5 %). Profiles from before it have no ``g`` (read as 0).
 
 * decode only, ``B`` sequences with total context ``C = Σ c_j``::
 
       t = d + e·B + f·C
 
 * both in one step: ``a + Σ_i[...] + e·B + f·C`` (one fixed overhead: it is one forward).
+
+The router's learned prefill model (:mod:`cpd.router.estimates`) fits the first three prefill
+terms only (:func:`prefill_features`): :class:`~cpd.policy.routing.LinearCostModel` has no
+per-cached-token term.
 
 Transfers (``L2`` host pool → L1, ``L3`` store → L1, ``NIC`` handoff): ``bytes / bytes_per_s +
 latency_s`` from the profile's ``transfer`` section; a tier the profile did not measure raises
@@ -28,7 +37,7 @@ Profile format (``format: cpd-calibrated-cost-model/1``)::
 
     {"format", "model": {ModelShape fields, "kv_dtype_bytes"},
      "machine": {"host", "cpu", "threads", "torch", "dtype", ...},
-     "prefill": {"coef": {"a_s", "b_s_per_token", "c_s_per_token_ctx"}, "fit": {...}},
+     "prefill": {"coef": {"a_s", "b_s_per_token", "c_s_per_token_ctx"[, "g_s_per_cached_token"]}, "fit": {...}},
      "decode": {"coef": {"d_s", "e_s_per_seq", "f_s_per_ctx_token"}, "fit": {...}},
      "transfer": {"L2": {"bytes_per_s", "latency_s"}, ...},
      "points": [{"kind": "prefill", "n", "p", "t_s"} | {"kind": "decode", "b", "c", "t_s"}, ...]}
@@ -47,6 +56,7 @@ from cpd.costmodel.model_shapes import ModelShape
 
 FORMAT = "cpd-calibrated-cost-model/1"
 PREFILL_COEFS = ("a_s", "b_s_per_token", "c_s_per_token_ctx")
+PREFIX_COEF = "g_s_per_cached_token"  # optional (profiles before it: 0)
 DECODE_COEFS = ("d_s", "e_s_per_seq", "f_s_per_ctx_token")
 TIERS = ("L2", "L3", "NIC")
 
@@ -59,6 +69,11 @@ class ProfileError(ValueError):
 def prefill_features(n: int, p: int) -> list[float]:
     """``[1, n, n·(p + n/2)]`` of one prefill chunk of ``n`` new tokens on ``p`` cached."""
     return [1.0, float(n), n * (p + n / 2.0)]
+
+
+def prefill_step_features(n: int, p: int) -> list[float]:
+    """:func:`prefill_features` and ``p`` (the cached tokens the chunk reads): what a profile fits."""
+    return [*prefill_features(n, p), float(p)]
 
 
 def decode_features(b: int, c_total: int) -> list[float]:
@@ -135,7 +150,7 @@ def fit_profile(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     dec = [q for q in points if q["kind"] == "decode"]
     out: dict[str, Any] = {}
     for name, pts, feats, names in (
-            ("prefill", pre, lambda q: prefill_features(q["n"], q["p"]), PREFILL_COEFS),
+            ("prefill", pre, lambda q: prefill_step_features(q["n"], q["p"]), (*PREFILL_COEFS, PREFIX_COEF)),
             ("decode", dec, lambda q: decode_features(q["b"], q["b"] * q["c"]), DECODE_COEFS)):
         coef, stats = fit_linear([feats(q) for q in pts], [float(q["t_s"]) for q in pts])
         out[name] = {"coef": dict(zip(names, coef)), "fit": stats}
@@ -181,7 +196,7 @@ class CalibratedCostModel:
 
     model: ModelShape
     kv_dtype_bytes: float
-    prefill_coef: tuple[float, float, float]
+    prefill_coef: tuple[float, float, float, float]  # a, b, c, g
     decode_coef: tuple[float, float, float]
     links: Mapping[str, Link]
     gpu: CalibratedDevice
@@ -226,6 +241,7 @@ class CalibratedCostModel:
         pre = _req(_req(doc, "prefill", "", path), "coef", "prefill.", path)
         dec = _req(_req(doc, "decode", "", path), "coef", "decode.", path)
         pc = tuple(_num(pre, k, "prefill.coef.", path) for k in PREFILL_COEFS)
+        g = _num(pre, PREFIX_COEF, "prefill.coef.", path) if PREFIX_COEF in pre else 0.0
         dc = tuple(_num(dec, k, "decode.coef.", path) for k in DECODE_COEFS)
         links = {}
         for tier, v in (doc.get("transfer") or {}).items():
@@ -238,7 +254,7 @@ class CalibratedCostModel:
         mach = doc.get("machine") or {}
         dev = CalibratedDevice(f"calibrated:{mach.get('host', '?')}:{mach.get('dtype', '?')}:"
                                f"t{mach.get('threads', '?')}")
-        return cls(ModelShape(**shape_kw), kv_bytes, (pc[0], pc[1], pc[2]), (dc[0], dc[1], dc[2]), links, dev, doc)
+        return cls(ModelShape(**shape_kw), kv_bytes, (pc[0], pc[1], pc[2], g), (dc[0], dc[1], dc[2]), links, dev, doc)
 
     # -- CostModel protocol ----------------------------------------------------------------
     @property
@@ -262,7 +278,7 @@ class CalibratedCostModel:
     def step_time_s(self, prefill: Sequence[tuple[int, int]] = (), decode_ctx_tokens: int = 0,
                     num_decode: int = 0) -> float:
         """One engine step (module docstring); 0 for an empty step."""
-        a, b, c = self.prefill_coef
+        a, b, c, g = self.prefill_coef
         d, e, f = self.decode_coef
         chunks = [(n, p) for n, p in prefill if n > 0]
         if not chunks and num_decode <= 0:
@@ -270,7 +286,7 @@ class CalibratedCostModel:
         t = e * num_decode + f * decode_ctx_tokens
         if not chunks:
             return d + t
-        return a + t + sum(b * n + c * n * (p + n / 2.0) for n, p in chunks)
+        return a + t + sum(b * n + c * n * (p + n / 2.0) + g * p for n, p in chunks)
 
     def decode_step_time_s(self, num_seqs: int, ctx_tokens: int) -> float:
         """One decode step of ``num_seqs`` sequences with ``ctx_tokens`` total context."""
@@ -307,6 +323,6 @@ class CalibratedCostModel:
         if not factor > 0:
             raise ValueError(f"factor must be > 0, got {factor}")
         p, d = self.prefill_coef, self.decode_coef
-        return replace(self, prefill_coef=(p[0] * factor, p[1] * factor, p[2] * factor),
+        return replace(self, prefill_coef=(p[0] * factor, p[1] * factor, p[2] * factor, p[3] * factor),
                        decode_coef=(d[0] * factor, d[1] * factor, d[2] * factor),
                        links={t: Link(ln.bytes_per_s / factor, ln.latency_s * factor) for t, ln in self.links.items()})

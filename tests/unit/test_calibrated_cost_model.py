@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cpd.costmodel.calibrated import (FORMAT, CalibratedCostModel, ProfileError, decode_features, fit_linear,
-                                      fit_profile, prefill_features)
+                                      fit_profile, prefill_step_features)
 from cpd.engine.executor import ForwardSeq
 from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
 from cpd.engine.scheduler import SchedulerConfig
@@ -24,9 +24,9 @@ PROFILES = sorted((Path(__file__).resolve().parents[2] / "cpd/costmodel/profiles
 
 def _synthetic_doc() -> dict:
     """A small profile whose points follow known coefficients exactly."""
-    pc, dc = (0.05, 5e-4, 2e-7), (0.06, 2e-3, 3e-6)
+    pc, dc = (0.05, 5e-4, 2e-7, 3e-5), (0.06, 2e-3, 3e-6)
     pts = [{"kind": "prefill", "n": n, "p": p,
-            "t_s": sum(c * f for c, f in zip(pc, prefill_features(n, p)))}
+            "t_s": sum(c * f for c, f in zip(pc, prefill_step_features(n, p)))}
            for n in (16, 128, 512, 2048) for p in (0, 1024, 4096)]
     pts += [{"kind": "decode", "b": b, "c": c, "t_s": sum(k * f for k, f in zip(dc, decode_features(b, b * c)))}
             for b in (1, 4, 16) for c in (128, 1024)]
@@ -41,8 +41,8 @@ def _synthetic_doc() -> dict:
 
 def test_fit_recovers_known_coefficients():
     doc = _synthetic_doc()
-    assert doc["prefill"]["coef"] == pytest.approx({"a_s": 0.05, "b_s_per_token": 5e-4, "c_s_per_token_ctx": 2e-7},
-                                                   rel=1e-6)
+    assert doc["prefill"]["coef"] == pytest.approx({"a_s": 0.05, "b_s_per_token": 5e-4, "c_s_per_token_ctx": 2e-7,
+                                                    "g_s_per_cached_token": 3e-5}, rel=1e-6)
     assert doc["decode"]["coef"] == pytest.approx({"d_s": 0.06, "e_s_per_seq": 2e-3, "f_s_per_ctx_token": 3e-6},
                                                   rel=1e-6)
     assert doc["prefill"]["fit"]["r2"] == pytest.approx(1.0)
@@ -81,7 +81,10 @@ def test_model_interface():
     cm = CalibratedCostModel.from_dict(_synthetic_doc())
     assert cm.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
     assert cm.prefill_time_s(0, 100) == 0.0 and cm.step_time_s() == 0.0
-    assert cm.prefill_time_s(100, 1000) == pytest.approx(0.05 + 5e-4 * 100 + 2e-7 * 100 * 1050)
+    assert cm.prefill_time_s(100, 1000) == pytest.approx(0.05 + 5e-4 * 100 + 2e-7 * 100 * 1050 + 3e-5 * 1000)
+    old = _synthetic_doc()  # a profile from before the cached-token term reads it as 0
+    del old["prefill"]["coef"]["g_s_per_cached_token"]
+    assert CalibratedCostModel.from_dict(old).prefill_time_s(100, 1000) == pytest.approx(0.121)
     assert cm.decode_step_time_s(4, 400) == pytest.approx(0.06 + 2e-3 * 4 + 3e-6 * 400)
     # a mixed step pays one fixed overhead (the prefill one) plus both variable parts
     mixed = cm.step_time_s(((100, 1000),), decode_ctx_tokens=400, num_decode=4)
