@@ -13,7 +13,9 @@ bug: every live request is failed, as nothing tells which one caused it), counts
 failed step in :class:`StepHealth`; the worker reports unhealthy only while steps keep
 failing (see there), never because of one old error. A step that does not end (a hung kernel,
 a deadlock) is seen from outside the engine thread: while the current step has run longer than
-``max_step_s`` the worker is *stuck* and reports unhealthy (:meth:`EngineRunner.health`).
+``max_step_s`` the worker is *stuck* and reports unhealthy (:meth:`EngineRunner.health`); so is
+one whose engine thread is gone. Nothing after a step (event flush, delivery to a stream whose
+event loop has closed) can end the thread.
 """
 from __future__ import annotations
 
@@ -104,18 +106,20 @@ class EngineRunner:
         started = self._step_started_s
         return 0.0 if started is None else (time.monotonic() if now_s is None else now_s) - started
 
-    def stuck(self) -> bool:
-        """Whether the current step has run longer than ``max_step_s`` (any thread may ask)."""
-        return self.current_step_s() > self.max_step_s
+    def stuck(self, now_s: float | None = None) -> bool:
+        """Whether the engine cannot make progress: its current step has run longer than
+        ``max_step_s``, or its thread is gone while the runner was not closed (any thread may ask)."""
+        gone = not self._thread.is_alive() and not self._stop.is_set()
+        return gone or self.current_step_s(now_s) > self.max_step_s
 
     def health(self) -> dict:
         """The worker's current health: :class:`StepHealth`'s report, unhealthy also while the
-        current step is stuck (``stuck``, ``current_step_s``)."""
+        engine is stuck (``stuck``, ``current_step_s``)."""
         now = time.monotonic()
         report = self.step_health.report(now)
-        step_s = self.current_step_s(now)
-        stuck = step_s > self.max_step_s
-        report.update(healthy=report["healthy"] and not stuck, stuck=stuck, current_step_s=round(step_s, 3))
+        stuck = self.stuck(now)
+        report.update(healthy=report["healthy"] and not stuck, stuck=stuck,
+                      current_step_s=round(self.current_step_s(now), 3))
         return report
 
     def open_stream(self, request_id: str) -> RequestStream:
@@ -183,9 +187,21 @@ class EngineRunner:
                 self.step_health.record_ok()
             else:
                 self.step_health.record_failure(step_error, time.monotonic())
-            if self.publisher is not None:
-                self.publisher.flush()
-            self._deliver(outputs)
+            try:
+                if self.publisher is not None:
+                    self.publisher.flush()
+                self._deliver(outputs)
+            except Exception as e:  # a bug after the step: fail the waiters, but the thread lives on
+                self.step_health.record_failure(e, time.monotonic())
+                self._fail_all(e)
+
+    def _put(self, request_id: str, s: RequestStream, item) -> None:
+        """Hand ``item`` to the stream's loop; a stream whose loop has closed (nobody will ever
+        read it) has its request aborted instead, so that its blocks are freed."""
+        try:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            self.abort(request_id)
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
@@ -196,14 +212,14 @@ class EngineRunner:
             item = out
             if out.finish_reason == "error":
                 item = RequestFailed(getattr(out, "error", None) or "request failed in the engine")
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+            self._put(out.request_id, s, item)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:
             streams = list(self._streams.items())
         for rid, s in streams:
             self.engine.abort(rid)
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, exc)
+            self._put(rid, s, exc)
 
     def close(self) -> None:
         self._stop.set()

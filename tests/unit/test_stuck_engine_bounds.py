@@ -131,3 +131,27 @@ def test_a_worker_whose_step_runs_past_its_bound_reports_stuck_until_the_step_en
         runner.close()
     assert 0.4 <= stuck_after_s < 1.5
     assert runner.health()["healthy"] and engine.pool_stats()["num_in_use"] == 0
+
+
+def test_a_stream_whose_event_loop_is_gone_does_not_stop_the_engine_thread(tiny_model_dir):
+    """An output for a stream whose loop has closed made ``call_soon_threadsafe`` raise in the
+    engine thread, outside the step's guard: the thread died, every later request waited forever
+    and the worker still called itself healthy. Now that request is aborted and the engine serves on."""
+    engine = Engine(None, num_blocks=256, executor=build_modeled_executor("llama-3.1-8b", "b200", 1,
+                                                                          served_model_dir=tiny_model_dir))
+    runner = EngineRunner(engine, None)
+
+    async def orphan():  # its loop closes while the engine still computes it
+        runner.submit(EngineRequest("orphan", list(range(20, 60)), SamplingParams(max_tokens=40, ignore_eos=True)))
+
+    async def served():
+        s = runner.submit(EngineRequest("next", list(range(60, 100)), SamplingParams(max_tokens=2, ignore_eos=True)))
+        return await asyncio.wait_for(s.queue.get(), 10.0)
+    try:
+        asyncio.run(orphan())
+        _wait(lambda: engine.request_state("orphan") is None)  # aborted (or finished), not stuck
+        assert asyncio.run(served()).request_id == "next"
+        assert runner.health()["healthy"]
+        _wait(lambda: engine.pool_stats()["num_in_use"] == 0)
+    finally:
+        runner.close()
