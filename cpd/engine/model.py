@@ -250,9 +250,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == x.roll(d/2, -1) * signed_sin``
+    exactly (``(-a) * s == a * (-s)`` in IEEE arithmetic), so RoPE needs one roll instead of a
+    negation, two slices and a cat per layer."""
+    h = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -263,6 +266,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
+        if dt == torch.float32:  # one fused op instead of six (same formula, float32 throughout)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dt)
@@ -349,27 +354,26 @@ class DecoderLayer(nn.Module):
         r = self.input_layernorm(x)
         qkv = _mm(r, self._qkv_w, self._qkv_b, big)  # [T, (nh + 2 nkv) d]
         qk = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
-        rot = _rotate_half(qk).mul_(sin)
+        rot = qk.roll(d // 2, -1).mul_(sin)  # sin: _signed_sin (rotate_half without the cat)
         qk.mul_(cos).add_(rot)  # RoPE on q and k together, in place in qkv
-        q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, (nh + nkv) * d:].view(T, nkv, d)
+        q = qk[:, :nh]
+        # the step's K and V (K after RoPE) are adjacent in qkv: [T, 2, nkv, d], written with one op each
+        kv_new = qkv[:, nh * d:].view(T, 2, nkv, d).to(kv_layer.dtype)
         # kv_layer: [2, num_blocks, block_size, nkv, d] -> flat slots
+        kv_layer.view(2, -1, nkv, d).index_copy_(1, meta.slot_mapping, kv_new.transpose(0, 1))
         k_cache = kv_layer[0].view(-1, nkv, d)
         v_cache = kv_layer[1].view(-1, nkv, d)
-        k_st, v_st = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.index_copy_(0, meta.slot_mapping, k_st)
-        v_cache.index_copy_(0, meta.slot_mapping, v_st)
         if arena_layer is not None and meta.arena_index is not None:  # mirror into the arena rows
             at = meta.arena_tokens
-            # [rows, H, cap, D] seen as [rows, cap, H, D]: (row, position) -> one token's heads
-            arena_layer[0].transpose(1, 2).index_put_(meta.arena_index, k_st if at is None else k_st[at])
-            arena_layer[1].transpose(1, 2).index_put_(meta.arena_index, v_st if at is None else v_st[at])
+            # [2, rows, H, cap, D] seen as [2, rows, cap, H, D]: (row, position) -> one token's K/V heads
+            rows, pos = meta.arena_index
+            arena_layer.transpose(2, 3)[:, rows, pos] = (kv_new if at is None else kv_new[at]).transpose(0, 1)
         if not batched_decode:
             attn = self._attend_per_seq(q, k_cache, v_cache, meta.seqs)
         elif meta.decode_all:
             attn = self._attend_decode(q, kv_layer, meta, arena_layer)
         else:
-            own = (k_st.to(q.dtype), v_st.to(q.dtype))
+            own = (kv_new[:, 0].to(q.dtype), kv_new[:, 1].to(q.dtype))
             attn = self._attend_per_seq(q, k_cache, v_cache, meta.prefill_seqs, T, own, arena_layer,
                                         meta.prefill_rows)
             if meta.decode_q is not None:
@@ -607,10 +611,10 @@ class LlamaModel(nn.Module):
                 p.copy_(t.to(device=p.device, dtype=p.dtype))
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[T, 1, head_dim]`` for int64 ``positions [T]``."""
+        """cos and :func:`_signed_sin` of shape ``[T, 1, head_dim]`` for int64 ``positions [T]``."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return emb.cos().to(self.dtype)[:, None, :], _signed_sin(emb.sin().to(self.dtype)[:, None, :])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv_cache: torch.Tensor,
