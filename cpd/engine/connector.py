@@ -39,6 +39,8 @@ class KVConnector(Protocol):
     #   lookup_and_announce(block_hashes, parent_block_hash, token_ids, block_size) -> int
     #       like lookup for a writer, and re-publishes BlockStored(L3) for the visible chunks
     #       found, so an index that lost them (router restart, lost events) relearns them.
+    #       token_ids start at the chain's first block and may run past its last (the engine
+    #       passes its request's whole list rather than a copy of the prefix).
 
     def save(self, block_hashes: Sequence[int], parent_block_hash: int | None,
              token_ids: Sequence[int], blocks: Sequence[np.ndarray]) -> None:

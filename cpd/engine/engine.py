@@ -839,8 +839,9 @@ class Engine:
             # index that lost them (router restart, lost events) relearns them (issue 7 §6).
             announce = getattr(self.connector, "lookup_and_announce", None)
             try:
-                if announce is not None:
-                    r.l3_next = int(announce(r.hashes[:n_prompt_full], None, r.tokens[:n_prompt_full * bs], bs))
+                if announce is not None:  # token ids from the chain's start: the request's list as is
+                    # (the store slices each announced chunk's ids from it; no copy of the prompt)
+                    r.l3_next = int(announce(r.hashes[:n_prompt_full], None, r.tokens, bs))
                 else:
                     r.l3_next = int(self.connector.lookup(r.hashes[:n_prompt_full]))
             except Exception:
