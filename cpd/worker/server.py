@@ -18,7 +18,8 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
   progress without knowing how long this worker queues the request (heartbeats alone prove only
   that the event loop lives, not the engine thread). While the engine's current step has run past
   ``engine.max_step_s`` (stuck), ``/prefill``, ``/decode`` and ``/append`` answer 503
-  ``{"code": "engine_stuck"}`` at once and ``/health`` answers 503. A handle that no
+  ``{"code": "engine_stuck"}`` at once (a ``/decode`` still waiting to add its KV too: the staging
+  is left to the router's retry) and ``/health`` answers 503. A handle that no
   longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
   sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
 - ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
@@ -183,10 +184,23 @@ def _progress_fields(st: WorkerState, rid: str) -> dict[str, Any]:
 def _stuck_refusal(st: WorkerState) -> Response | None:
     """503 ``engine_stuck`` while the engine's current step is stuck (new work would wait behind
     it without bound; the router retries elsewhere), else None."""
-    if not st.runner.stuck():
-        return None
-    return _error(f"worker {st.worker_id}: engine step running for {st.runner.current_step_s():.1f} s, past "
-                  f"its bound of {st.runner.max_step_s:g} s (stuck)", 503, "engine_stuck")
+    return _stuck_error(st) if st.runner.stuck() else None
+
+
+def _stuck_error(st: WorkerState) -> Response:
+    return _error(f"worker {st.worker_id}: engine stuck (step running for {st.runner.current_step_s():.1f} s, "
+                  f"bound {st.runner.max_step_s:g} s)", 503, "engine_stuck")
+
+
+async def _unless_stuck(st: WorkerState, task: asyncio.Future, request: Request) -> bool:
+    """Wait for ``task``; False (``task`` left running) once the engine is stuck or the caller
+    has gone."""
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DECODE_HEARTBEAT_S)
+        if done:
+            return True
+        if st.runner.stuck() or await request.is_disconnected():
+            return False
 
 
 def build_app(st: WorkerState) -> FastAPI:
@@ -462,14 +476,26 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
         with st.runner.engine_lock:
             st.engine.add_decode_request(rid, body.token_ids, kv, body.sampling,
                                          num_generated=body.num_generated, cache_salt=body.cache_salt)
+    adding = asyncio.ensure_future(asyncio.to_thread(add))  # waits for the engine lock: a step's end
+    if not await _unless_stuck(st, adding, request):  # the router retries elsewhere, from the same staging
+        adding.add_done_callback(lambda f: _abandon(st, rid, f))
+        return _stuck_error(st) if st.runner.stuck() else _error("the caller went away", 499)
     try:
-        await asyncio.to_thread(add)
+        adding.result()
     except ValueError as e:
         st.runner.close_stream(rid)
         asyncio.create_task(_release(st, handle))
         return _error(f"bad decode request: {e}", 400)
     st.runner.wake()
     return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
+
+
+def _abandon(st: WorkerState, rid: str, adding: asyncio.Future) -> None:
+    """A decode given up while its KV was being added: once added, abort it (nobody reads it)."""
+    if adding.cancelled() or adding.exception() is not None:
+        st.runner.close_stream(rid)
+    else:
+        st.runner.abort(rid)
 
 
 def _append(st: WorkerState, body: AppendRequest, request: Request) -> Response:

@@ -32,7 +32,8 @@ import pytest
 from cpd.engine.engine import Engine, SamplingParams
 from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.messages.sampling import SamplingParams as WireSampling
-from cpd.messages.worker_api import AppendRequest, PrefillRequest, encode
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, ErrorBody, PrefillRequest,
+                                     PrefillResponse, decode_body, encode)
 from deploy_util import assert_no_leaks, random_prompt, router_workers, start, wait_all_healthy, wait_pools_idle
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
@@ -259,3 +260,36 @@ def test_requests_queued_behind_long_prefills_are_not_failed(dep, tiny_model_dir
         assert tokens == _oracle(tiny_model_dir, prompts[i], 4), (i, tokens)
     assert max(s for s, _ in results.values()) > 2 * MAX_STEP_S, results  # the case under test: long waits
     assert not unhealthy, unhealthy
+
+
+def test_a_decode_arriving_at_a_stuck_worker_is_refused_and_its_staging_decodes_elsewhere(dep, tiny_model_dir):
+    """A ``/decode`` that reaches a worker whose step is stuck waited for the engine lock to add its
+    KV, with no answer (not even headers) until the step ended: the router's only bound was the
+    first-byte bound (``decode_floor_s``, 15 s by default), not the engine's progress. Now the
+    worker answers 503 ``engine_stuck`` once it calls itself stuck, leaves the staging for another
+    decode worker, and does not keep the request when the step ends (the teardown's leak check)."""
+    auth, prompt, max_tokens = dep.internal_client_auth(), random_prompt(1050, 100), 8
+    sampling = WireSampling(max_tokens=max_tokens, ignore_eos=True)
+    r = httpx.post(f"{_url(dep, 'p0')}/prefill", content=encode(PrefillRequest(
+        request_id="direct-1050", prompt_token_ids=prompt, sampling=sampling)), headers=JSON, timeout=30, auth=auth)
+    ans = decode_body(r.content, PrefillResponse)
+    hanger = _hang(dep, "d0")
+    time.sleep(0.5)  # d0's step is stuck now, not yet for MAX_STEP_S
+    decode = DecodeRequest(request_id="direct-1050", token_ids=ans.token_ids, sampling=sampling, handoff=ans.handoff)
+    t0 = time.monotonic()
+    r = httpx.post(f"{_url(dep, 'd0')}/decode", content=encode(decode), headers=JSON, timeout=HANG_S * 2, auth=auth)
+    elapsed = time.monotonic() - t0
+    print(f"d0 answered {r.status_code} {elapsed:.2f} s after the decode was sent")
+    assert r.status_code == 503 and decode_body(r.content, ErrorBody).code == "engine_stuck", r.text
+    assert elapsed < BOUND_S, elapsed
+    tokens = list(ans.first_token_ids)
+    with httpx.stream("POST", f"{_url(dep, 'd1')}/decode", content=encode(decode), headers=JSON, timeout=30,
+                      auth=auth) as r:
+        for line in r.iter_lines():
+            msg = decode_body(line.encode(), DecodeLine) if line else None
+            if msg is not None and not msg.is_heartbeat:
+                tokens += msg.token_ids
+                if msg.finish_reason is not None:
+                    break
+    assert tokens == _oracle(tiny_model_dir, prompt, max_tokens)
+    hanger.join(HANG_S)
