@@ -20,8 +20,11 @@ from cpd.engine.engine import Engine, EngineRequest
 from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.engine.faults import FaultPlan
 from cpd.engine.sampling import SamplingParams
-from cpd.messages.worker_api import DecodeLine, encode
-from cpd.router.decode_relay import DecodeFailed, _lines
+from cpd.messages.sampling import SamplingParams as WireSampling
+from cpd.messages.worker_api import DecodeLine, ErrorBody, PrefillLine, PrefillRequest, encode
+from cpd.router.decode_relay import DecodeFailed, _decode_refused, _lines
+from cpd.router.metrics import RouterMetrics
+from cpd.router.prefill_relay import PrefillStalled, post_prefill
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.worker.runtime import EngineRunner
 
@@ -155,3 +158,25 @@ def test_a_stream_whose_event_loop_is_gone_does_not_stop_the_engine_thread(tiny_
         _wait(lambda: engine.pool_stats()["num_in_use"] == 0)
     finally:
         runner.close()
+
+
+STUCK = encode(ErrorBody("worker w: engine stuck (step running for 3.0 s, bound 2 s)", "engine_stuck"))
+PREFILL = PrefillRequest(request_id="r", prompt_token_ids=[1, 2, 3], sampling=WireSampling(max_tokens=2))
+
+
+async def _post_prefill(answer: httpx.Response) -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda _: answer)) as client:
+        await post_prefill(client, T, "http://p0/prefill", "p0", PREFILL)
+
+
+def test_a_stuck_refusal_or_a_stuck_progress_line_is_a_worker_failure_the_router_retries():
+    """503 engine_stuck (and a progress line saying stuck) raise what the callers retry on another
+    worker: PrefillStalled (a TimeoutError) for a prefill, DecodeFailed(worker_failed) for a decode."""
+    with pytest.raises(PrefillStalled, match="engine stuck"):
+        asyncio.run(_post_prefill(httpx.Response(503, content=STUCK)))
+    stuck_line = encode(PrefillLine(num_engine_steps=4, engine_stuck=True, request_state="queued")) + b"\n"
+    with pytest.raises(PrefillStalled, match="stuck"):
+        asyncio.run(_post_prefill(httpx.Response(200, content=stuck_line)))
+    with pytest.raises(DecodeFailed, match="engine stuck") as e:
+        asyncio.run(_decode_refused(RouterMetrics(), "d0", httpx.Response(503, content=STUCK)))
+    assert e.value.worker_failed and not e.value.handoff_lost
