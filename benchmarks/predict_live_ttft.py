@@ -54,14 +54,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cpd.bench.report import stats  # noqa: E402
-from cpd.config import Config  # noqa: E402
+from cpd.config import Config, routing_config  # noqa: E402
 from cpd.costmodel.calibrated import CalibratedCostModel  # noqa: E402
 from cpd.engine.scheduler import SchedulerConfig  # noqa: E402
-from cpd.policy.routing import LinearCostModel, RoutingConfig  # noqa: E402
+from cpd.policy.routing import LinearCostModel  # noqa: E402
 from cpd.sim.engine_sim import EngineClusterSpec, EngineInstanceSpec, EngineSimulator  # noqa: E402
 from cpd.sim.workload import trace_workload  # noqa: E402
 from cpd.traces import ReplayOptions, read_mooncake  # noqa: E402
-from cpd.types import Topology  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared/data/traces/mooncake/conversation_trace.jsonl"
 
@@ -77,7 +76,8 @@ def parse_config(s: str) -> tuple[str, int, int, int]:
 def replay_options(a: argparse.Namespace) -> ReplayOptions:
     """The options ``cpd bench`` builds from the same flags (context cap: the model's 8192)."""
     return ReplayOptions(tokens_per_block=a.tokens_per_hash_id, time_scale=a.time_scale, max_requests=a.requests,
-                         max_output_tokens=a.max_output_tokens, context_len=a.context_len)
+                         max_output_tokens=a.max_output_tokens, context_len=a.context_len,
+                         spread_ticks=a.spread_ticks)
 
 
 def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -90,13 +90,15 @@ def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dic
                             max_prefill_chunk_tokens=eng.max_prefill_chunk_tokens, block_size=bs)
     insts = [EngineInstanceSpec(role, cost, sched, eng.num_blocks, int(kv.host_kv_bytes))
              for role, n in (("pre-prefill", pre), ("prefill", pf), ("decode", dc)) for _ in range(n)]
-    # what the live router's EWMA converges to: computed tokens / compute time of a typical chunk
-    rate = eng.max_prefill_chunk_tokens / cost.prefill_time_s(eng.max_prefill_chunk_tokens, 0)
-    router_cost = LinearCostModel(kv_bytes_per_token=cost.kv_bytes_per_token, prefill_tokens_per_s=rate,
-                                  l2_bytes_per_s=cost.link_bytes_per_s("L2"), l3_bytes_per_s=cost.link_bytes_per_s("L3"))
-    routing = RoutingConfig(topology=Topology(topo), cold_threshold=Config().router.cold_threshold, block_size=bs)
+    # the live router: `cpd serve --topology T` with every router default (adaptive routing), its
+    # cost estimates starting where the live router's start (LinearCostModel's defaults, as
+    # cpd.router.app builds them) and learned from the simulated prefills as live
+    cfg = Config.model_validate({"deployment": {"topology": topo}})
+    routing = routing_config(cfg, bs)
+    router_cost = LinearCostModel(kv_bytes_per_token=cost.kv_bytes_per_token)
     l3_bytes = (1 << 40) if topo == "cpd" else 0  # live: a fresh unlimited file store; pd never writes it
-    cluster = EngineClusterSpec(tuple(insts), routing, router_cost, bs, l3_bytes, a.kv_event_delay_s)
+    cluster = EngineClusterSpec(tuple(insts), routing, router_cost, bs, l3_bytes, a.kv_event_delay_s,
+                                learn_router_cost=True, fit_router_cost=cfg.router.prefill_cost_fit)
     reqs = trace_workload(read_mooncake(a.trace), replay_options(a), sim_block_tokens=bs)
     t = time.perf_counter()
     sim = EngineSimulator(cluster, reqs).run()
@@ -266,7 +268,8 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str, cost: Ca
     bench_out = out_dir / f"{tag}.bench.json"
     bench_cmd = [cpd, "bench", "--url", url, "--trace", str(a.trace), "--max-requests", str(a.requests),
                  "--tokens-per-hash-id", str(a.tokens_per_hash_id), "--time-scale", str(a.time_scale),
-                 "--max-output-tokens", str(a.max_output_tokens), "--label", tag, "--out", str(bench_out)]
+                 "--max-output-tokens", str(a.max_output_tokens), "--label", tag, "--out", str(bench_out),
+                 "--spread-ticks" if a.spread_ticks else "--bursty-ticks"]
     log = open(out_dir / f"{tag}.serve.log", "w")
     serve = subprocess.Popen(serve_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -322,6 +325,9 @@ def main() -> None:
     ap.add_argument("--max-output-tokens", type=int, default=4)
     ap.add_argument("--context-len", type=int, default=8192, help="cpd bench's cap (the model card's max_model_len)")
     ap.add_argument("--kv-event-delay-s", type=float, default=0.02)
+    ap.add_argument("--spread-ticks", action="store_true",
+                    help="spread each 3 s trace tick's requests over the tick, in trace order (both sides): "
+                         "a burst sent at once reaches the worker in the network's order, which no model predicts")
     ap.add_argument("--configs", default="pd:0:1:1,cpd:1:1:1")
     ap.add_argument("--live", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="live runs per config (interleaved: A B A B ...)")
@@ -341,7 +347,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"profile": a.profile, "machine": cost.profile.get("machine"),
                            "slice": {"trace": str(a.trace), **{k: getattr(a, k) for k in (
-                               "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len")}},
+                               "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len",
+                               "spread_ticks")}},
                            "configs": {}}
     for c in configs:
         res["configs"][c] = {"predicted": predict(cost, c, a), "measured": []}
