@@ -122,3 +122,14 @@ def wait_all_healthy(dep: Deployment, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"workers not healthy again: {router_workers(dep)}")
+
+
+def busy_worker(dep: Deployment, role: str, timeout_s: float = 20.0) -> str:
+    """The worker of ``role`` the router has dispatched a request to (running_requests > 0)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for wid, w in router_workers(dep).items():
+            if w["role"] == role and w["running_requests"] > 0:
+                return wid
+        time.sleep(0.02)
+    raise AssertionError(f"no {role} worker got the request")

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from deploy_util import (assert_no_leaks, oracle_tokens, random_prompt, router_workers, signal_pid, start,
+from deploy_util import (assert_no_leaks, busy_worker, oracle_tokens, random_prompt, signal_pid, start,
                          wait_all_healthy)
 
 MAX_TOKENS = 8
@@ -48,17 +48,6 @@ def _healthy_before_and_no_leaks_after(dep):
 
 def _worker(dep, wid: str) -> dict:
     return next(w for w in dep.workers if w["worker_id"] == wid)
-
-
-def _busy_worker(dep, role: str, timeout_s: float = 20.0) -> str:
-    """The worker of ``role`` the router has dispatched a request to (running_requests > 0)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for wid, w in router_workers(dep).items():
-            if w["role"] == role and w["running_requests"] > 0:
-                return wid
-        time.sleep(0.05)
-    raise AssertionError(f"no {role} worker got the request")
 
 
 def _post(dep, prompt, max_tokens=MAX_TOKENS, **extra) -> httpx.Response:
@@ -154,7 +143,7 @@ def test_prefill_worker_stopped_request_retried_within_bound(dep, tiny_model_dir
     for w in prefills:
         signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
-    stopped = _busy_worker(dep, "prefill")
+    stopped = busy_worker(dep, "prefill")
     for w in prefills:  # the others run again; the one holding the request stays stopped
         if w["worker_id"] != stopped:
             signal_pid(w["pid"], signal.SIGCONT)
@@ -173,7 +162,7 @@ def test_decode_worker_stopped_before_first_token_retried_elsewhere(dep, tiny_mo
     for w in decoders:
         signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
-    stopped = _busy_worker(dep, "decode")
+    stopped = busy_worker(dep, "decode")
     for w in decoders:
         if w["worker_id"] != stopped:
             signal_pid(w["pid"], signal.SIGCONT)
@@ -200,7 +189,7 @@ def test_decode_worker_stopped_mid_stream_ends_with_error_event_within_bound(dep
                 continue
             n_events += 1
             if n_events == 3 and stopped is None:  # tokens are flowing: stop its decode worker
-                stopped = _busy_worker(dep, "decode")
+                stopped = busy_worker(dep, "decode")
                 signal_pid(_worker(dep, stopped)["pid"], signal.SIGSTOP)
                 t_stop = time.time()
     took = time.time() - t_stop
@@ -218,7 +207,7 @@ def test_decode_worker_killed_before_first_token_retried_on_the_other(dep, tiny_
     for w in decoders:
         signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
-    victim = _busy_worker(dep, "decode")
+    victim = busy_worker(dep, "decode")
     for w in decoders:
         if w["worker_id"] != victim:
             signal_pid(w["pid"], signal.SIGCONT)
@@ -236,7 +225,7 @@ def test_prefill_worker_killed_mid_prefill_retried_on_the_other(dep, tiny_model_
     for w in prefills:
         signal_pid(w["pid"], signal.SIGSTOP)
     r = _Async(dep, prompt)
-    victim = _busy_worker(dep, "prefill")
+    victim = busy_worker(dep, "prefill")
     for w in prefills:
         if w["worker_id"] != victim:
             signal_pid(w["pid"], signal.SIGCONT)

@@ -34,7 +34,8 @@ from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.messages.sampling import SamplingParams as WireSampling
 from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, ErrorBody, PrefillRequest,
                                      PrefillResponse, decode_body, encode)
-from deploy_util import assert_no_leaks, random_prompt, router_workers, start, wait_all_healthy, wait_pools_idle
+from deploy_util import (assert_no_leaks, busy_worker, random_prompt, router_workers, start, wait_all_healthy,
+                         wait_pools_idle)
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 DILATION = 20.0  # a 512-token modeled prefill step lasts ~0.2 s, a decode step ~0.1 s
@@ -105,16 +106,6 @@ def _hang(dep, worker_id: str) -> threading.Thread:
     return t
 
 
-def _busy_worker(dep, role: str, timeout_s: float = 20.0) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        for wid, w in router_workers(dep).items():
-            if w["role"] == role and w["running_requests"] > 0:
-                return wid
-        time.sleep(0.02)
-    raise AssertionError(f"no {role} worker got the request")
-
-
 def _wait_router_sees_unhealthy(dep, worker_id: str, timeout_s: float = BOUND_S) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -162,7 +153,7 @@ def test_decode_worker_stuck_mid_stream_ends_the_stream_with_a_clear_error(dep, 
             text += chunk.choices[0].text if chunk.choices else ""
             n_chunks += 1
             if t_hang is None and n_chunks >= 3:
-                stuck = _busy_worker(dep, "decode")
+                stuck = busy_worker(dep, "decode")
                 t_hang, hanger = time.monotonic(), _hang(dep, stuck)
     elapsed = time.monotonic() - t_hang
     print(f"stream ended {elapsed:.2f} s after the hang, {n_chunks} chunks: {err.value}")
@@ -189,7 +180,7 @@ def test_decode_worker_stuck_non_streaming_answers_within_the_bound(dep, tiny_mo
         out["t_end"] = time.monotonic()
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    stuck = _busy_worker(dep, "decode")
+    stuck = busy_worker(dep, "decode")
     time.sleep(0.5)  # decoding now
     t_hang, hanger = time.monotonic(), _hang(dep, stuck)
     t.join(HANG_S * 3)
@@ -218,7 +209,7 @@ def test_prefill_worker_stuck_mid_prefill_fails_over_with_the_exact_tokens(dep, 
         out["t_end"] = time.monotonic()
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    stuck = _busy_worker(dep, "prefill")
+    stuck = busy_worker(dep, "prefill")
     t_hang, hanger = time.monotonic(), _hang(dep, stuck)
     t.join(HANG_S * 3)
     elapsed = out["t_end"] - t_hang
