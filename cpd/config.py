@@ -100,7 +100,8 @@ class EngineSection(Section):
     max_step_s: float = Field(120.0, gt=0, description="an engine step running longer than this is stuck: the "
                                                        "worker reports unhealthy and its streams say so, so the "
                                                        "router routes elsewhere and fails over (one step of the "
-                                                       "token budget must fit, with room for a loaded machine)")
+                                                       "token budget must fit, with room for a loaded CPU; "
+                                                       "on GPUs, where a step takes milliseconds, lower it)")
 
 
 class KVSection(Section):
