@@ -60,9 +60,8 @@ class KVPool:
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         # block -> (parent hash, token list, start): the block's tokens are list[start:start + block_size]
-        # (a run registered at once shares one list, sliced per block only when spilled to L2), or
-        # the whole list for start None (register)
-        self._meta: dict[int, tuple[int | None, list[int], int | None]] = {}
+        # (a run registered at once shares one list, sliced per block only when spilled to L2)
+        self._meta: dict[int, tuple[int | None, list[int], int]] = {}
         self.cached: dict[int, int] = {}  # hash -> block
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -120,17 +119,10 @@ class KVPool:
 
         Returns False (and changes nothing) if the block already has a hash or another
         block already caches this hash (duplicate computation). A ``list`` of ``token_ids``
-        is kept as given (the engine passes a fresh slice of ints; no per-token copy); any
-        other sequence is converted to a list of ints."""
-        if self.block_hash[block] is not None or block_hash in self.cached:
-            return False
-        self.block_hash[block] = block_hash
+        is kept as given (no per-token copy); any other sequence is converted to a list of
+        ints. One block's :meth:`register_run`."""
         toks = token_ids if type(token_ids) is list else [int(t) for t in token_ids]
-        self._meta[block] = (parent_hash, toks, None)
-        self.cached[block_hash] = block
-        self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash, token_ids=toks,
-                               block_size=self.block_size, medium=MEDIUM_L1))
-        return True
+        return self.register_run((block,), (block_hash,), parent_hash, toks) == 1
 
     def register_run(self, blocks: Sequence[int], block_hashes: Sequence[int], parent_hash: int | None,
                      token_ids: list[int]) -> int:
@@ -177,9 +169,8 @@ class KVPool:
             raise RuntimeError(f"evictable block {b} has no block hash")
         parent, toks, start = self._meta.pop(b)
         if self.host_pool is not None and self.host_pool.enabled:
-            if start is not None:
-                toks = toks[start:start + self.block_size]
-            self.host_pool.put(h, parent, toks, self.block_view(b))  # spill before reuse
+            # spill before reuse
+            self.host_pool.put(h, parent, toks[start:start + self.block_size], self.block_view(b))
         del self.cached[h]
         self.block_hash[b] = None
         self.num_evictions += 1
