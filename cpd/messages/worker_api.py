@@ -283,6 +283,14 @@ def decode_body(data: bytes, typ: type[T]) -> T:
         raise MalformedBody(f"{typ.__name__}: {e}") from None
 
 
+def error_code(data: bytes) -> str | None:
+    """The ``code`` of an :class:`ErrorBody` answer, or None (no code, or not an ErrorBody)."""
+    try:
+        return decode_body(data, ErrorBody).code
+    except MalformedBody:
+        return None
+
+
 def encode(msg: Any) -> bytes:
     """JSON bytes of a message (enums as their values)."""
     return msgspec.json.encode(msg)
@@ -291,4 +299,4 @@ def encode(msg: Any) -> bytes:
 __all__ = ["PrefillRequest", "PrefillResponse", "PrefillLine", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
            "RoleChangeRequest", "RoleChangeResponse", "LoadReport",
            "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "Ack", "ErrorBody", "HandoffHandle",
-           "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode"]
+           "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode", "error_code"]

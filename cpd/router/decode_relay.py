@@ -19,8 +19,8 @@ from typing import AsyncGenerator, Callable
 
 import httpx
 
-from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, ErrorBody, MalformedBody,
-                                     decode_body, encode)
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, MalformedBody, decode_body, encode,
+                                     error_code)
 from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk
 from cpd.router.timeouts import DispatchTimeouts
@@ -128,10 +128,7 @@ async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Respo
     rest is not."""
     raw = await r.aread()
     text = raw[:300].decode(errors="replace")
-    try:
-        code = decode_body(raw, ErrorBody).code
-    except MalformedBody:
-        code = None
+    code = error_code(raw)
     if code == "engine_stuck":  # the worker failed: exclude it, retry elsewhere
         metrics.fallbacks.labels("engine_stuck").inc()
         raise DecodeFailed(f"decode worker {worker_id} refused ({r.status_code}): {text}", worker_failed=True)

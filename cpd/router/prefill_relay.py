@@ -16,8 +16,8 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from cpd.messages.worker_api import (ErrorBody, MalformedBody, PrefillLine, PrefillRequest, PrefillResponse,
-                                     decode_body, encode)
+from cpd.messages.worker_api import (MalformedBody, PrefillLine, PrefillRequest, PrefillResponse, decode_body, encode,
+                                     error_code)
 from cpd.router.protocol import BackendError
 from cpd.router.timeouts import DispatchTimeouts
 
@@ -52,20 +52,13 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
     try:
         if r.status_code != 200:
             raw = await r.aread()
-            if _error_code(raw) == "engine_stuck":  # the worker failed: the caller retries elsewhere
+            if error_code(raw) == "engine_stuck":  # the worker failed: the caller retries elsewhere
                 raise PrefillStalled(f"{worker_id} refused: {raw[:200].decode(errors='replace')}")
             raise BackendError(f"prefill worker {worker_id} error: {raw[:200].decode(errors='replace')}", 502,
                                "server_error")
         return await _answer(r.aiter_lines(), timeouts, sent_s, worker_id)
     finally:
         await r.aclose()
-
-
-def _error_code(raw: bytes) -> str | None:
-    try:
-        return decode_body(raw, ErrorBody).code
-    except MalformedBody:
-        return None
 
 
 def _with_progress(body: PrefillRequest) -> PrefillRequest:
