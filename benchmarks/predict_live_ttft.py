@@ -25,10 +25,14 @@ other processes' time slices do not enter.
 Percentiles: :func:`cpd.bench.report.stats` for both sides. The 1-minute load average is
 sampled every 5 s during each live run (other processes on a shared machine slow it down).
 
-What the prediction does *not* model (each makes the live run slower than predicted): CPU
-sharing between worker processes (the simulator gives each worker its own core) and with the
-router, the bench client and anything else running; HTTP / router / event-loop overheads; the
-prefill worker's staging copy of the KV for the handoff (before it answers).
+What the plain prediction does *not* model (each makes the live run slower than predicted): CPU
+sharing between worker processes (the simulator gives each worker its own core unless
+``--cores N``: then the workers share N cores, :mod:`cpd.sim.core_share`) and with the router,
+the bench client and anything else running; HTTP / router / event-loop overheads and the prefill
+worker's staging copy of the KV for the handoff (before it answers). ``--overhead-from
+PROBE_JSON`` fits those per-request costs on a ``--probe`` run (:func:`fit_live_overhead`) and
+adds a second prediction with them (``predicted_with_overhead``). ``--measured-from OUT_JSON``
+predicts again for the live runs of an earlier output (no live run).
 
 Usage::
 
@@ -80,8 +84,10 @@ def replay_options(a: argparse.Namespace) -> ReplayOptions:
                          spread_ticks=a.spread_ticks)
 
 
-def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dict[str, Any]:
-    """Simulated TTFT of the slice on one deployment (module docstring, (a))."""
+def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace, request_overhead_s: float = 0.0) -> dict[str, Any]:
+    """Simulated TTFT of the slice on one deployment (module docstring, (a)); ``a.cores`` > 0 shares
+    that many cores among the workers (:mod:`cpd.sim.core_share`); ``request_overhead_s`` is
+    worker time per request (:func:`fit_live_overhead`)."""
     topo, pre, pf, dc = parse_config(cfg_s)
     eng = Config().engine
     kv = Config().kv
@@ -98,7 +104,8 @@ def predict(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace) -> dic
     router_cost = LinearCostModel(kv_bytes_per_token=cost.kv_bytes_per_token)
     l3_bytes = (1 << 40) if topo == "cpd" else 0  # live: a fresh unlimited file store; pd never writes it
     cluster = EngineClusterSpec(tuple(insts), routing, router_cost, bs, l3_bytes, a.kv_event_delay_s,
-                                learn_router_cost=True, fit_router_cost=cfg.router.prefill_cost_fit)
+                                learn_router_cost=True, fit_router_cost=cfg.router.prefill_cost_fit,
+                                cores=a.cores, request_overhead_s=request_overhead_s)
     reqs = trace_workload(read_mooncake(a.trace), replay_options(a), sim_block_tokens=bs)
     t = time.perf_counter()
     sim = EngineSimulator(cluster, reqs).run()
@@ -311,8 +318,42 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str, cost: Ca
             "uptime_after": uptime_after, "serve_cmd": " ".join(serve_cmd[1:]), "bench_cmd": " ".join(bench_cmd[1:])}
 
 
+def fit_live_overhead(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The live stack against the profile, from :func:`service_probe` rows (one request at a time):
+    least squares ``wall_s = request_s + factor * predicted_s`` (``request_s`` clamped at 0, then
+    ``factor`` refitted through the origin). ``factor`` scales every modeled time
+    (:meth:`CalibratedCostModel.scaled`), ``request_s`` is worker time per request
+    (``EngineClusterSpec.request_overhead_s``): the probe shows the prefill worker's CPU seconds
+    equal to the wall time, so the excess is that worker's work, not latency elsewhere."""
+    xs = [r["predicted_s"] for r in rows]
+    ys = [r["wall_s"] for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    factor = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    request_s = my - factor * mx
+    if request_s < 0:
+        request_s, factor = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return {"request_s": round(request_s, 4), "factor": round(factor, 4), "num_rows": n}
+
+
+def predict_all(cost: CalibratedCostModel, cfg_s: str, a: argparse.Namespace,
+                overhead: dict[str, float] | None) -> dict[str, Any]:
+    """The plain prediction and, with a fitted live overhead, the prediction with it."""
+    out = {"predicted": predict(cost, cfg_s, a)}
+    if overhead is not None:
+        out["predicted_with_overhead"] = predict(cost.scaled(overhead["factor"]), cfg_s, a, overhead["request_s"])
+    return out
+
+
 def rel_err(pred: float | None, meas: float | None) -> float | None:
     return None if pred is None or not meas else round((pred - meas) / meas, 4)
+
+
+def check_same_slice(earlier: dict[str, Any], now: dict[str, Any]) -> None:
+    """``--measured-from``: the earlier runs replayed the slice the flags describe now."""
+    diff = {k: (earlier.get(k), v) for k, v in now.items() if k != "trace" and earlier.get(k) != v}
+    if diff:
+        raise SystemExit(f"--measured-from: its slice differs from the flags (earlier, now): {diff}")
 
 
 def main() -> None:
@@ -335,6 +376,14 @@ def main() -> None:
     ap.add_argument("--bench-timeout-s", type=float, default=900)
     ap.add_argument("--probe", action="store_true", help="only the no-queue service-time probe (see probe())")
     ap.add_argument("--probe-reps", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=0,
+                    help="the workers share this many cores in the simulator (cpd.sim.core_share); 0: a core each")
+    ap.add_argument("--overhead-from", type=Path, default=None, metavar="PROBE_JSON",
+                    help="a --probe output: fit the live stack's per-request time and factor (fit_live_overhead) "
+                         "and predict with them too (predicted_with_overhead)")
+    ap.add_argument("--measured-from", type=Path, default=None, metavar="OUT_JSON",
+                    help="predict again for the live runs of an earlier --live output (its slice options must "
+                         "match the flags given) instead of running live")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     cost = CalibratedCostModel.load(a.profile)
@@ -349,9 +398,22 @@ def main() -> None:
                            "slice": {"trace": str(a.trace), **{k: getattr(a, k) for k in (
                                "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len",
                                "spread_ticks")}},
-                           "configs": {}}
+                           "cores": a.cores, "configs": {}}
+    overhead = None
+    if a.overhead_from is not None:
+        overhead = fit_live_overhead(json.loads(a.overhead_from.read_text())["probe"])
+        res["live_overhead"] = {"from": str(a.overhead_from), **overhead}
+        print(f"live overhead from {a.overhead_from}: {overhead}", flush=True)
+    earlier = json.loads(a.measured_from.read_text()) if a.measured_from is not None else None
+    if earlier is not None:
+        check_same_slice(earlier["slice"], res["slice"])
     for c in configs:
-        res["configs"][c] = {"predicted": predict(cost, c, a), "measured": []}
+        res["configs"][c] = {**predict_all(cost, c, a, overhead), "measured": []}
+        if earlier is not None:
+            res["measured_from"] = str(a.measured_from)
+            for m in earlier["configs"][c]["measured"]:  # its slowdown prediction again, with today's options
+                m["predicted_at_slowdown"] = predict(cost.scaled(m["slowdown"]), c, a)
+                res["configs"][c]["measured"].append(m)
         p = res["configs"][c]["predicted"]
         print(f"{c}: predicted TTFT p50 {p['ttft_s']['p50']:.3f} s p90 {p['ttft_s']['p90']:.3f} s "
               f"busy {p['busy_fraction']} (sim wall {p['wall_s']} s)", flush=True)
@@ -370,14 +432,17 @@ def main() -> None:
                       f"(predicted busy s {res['configs'][c]['predicted']['busy_s']})", flush=True)
                 a.out.write_text(json.dumps(res, indent=1) + "\n")
     for c, r in res["configs"].items():
-        p = r["predicted"]["ttft_s"]
-        r["error"] = [{"p50": rel_err(p["p50"], m["ttft_s"]["p50"]), "p90": rel_err(p["p90"], m["ttft_s"]["p90"])}
-                      for m in r["measured"]]
+        for key, err_key in (("predicted", "error"), ("predicted_with_overhead", "error_with_overhead")):
+            if key in r:
+                p = r[key]["ttft_s"]
+                r[err_key] = [{"p50": rel_err(p["p50"], m["ttft_s"]["p50"]), "p90": rel_err(p["p90"], m["ttft_s"]["p90"])}
+                              for m in r["measured"]]
+                print(f"{c}: {err_key} per round {r[err_key]}")
         r["error_at_slowdown"] = [
             {"slowdown": m["slowdown"],
              "p50": rel_err(m["predicted_at_slowdown"]["ttft_s"]["p50"], m["ttft_s"]["p50"]),
              "p90": rel_err(m["predicted_at_slowdown"]["ttft_s"]["p90"], m["ttft_s"]["p90"])} for m in r["measured"]]
-        print(f"{c}: error per round {r['error']}; with the measured slowdown {r['error_at_slowdown']}")
+        print(f"{c}: with the measured slowdown {r['error_at_slowdown']}")
     a.out.write_text(json.dumps(res, indent=1) + "\n")
 
 

@@ -38,6 +38,7 @@ from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route, wor
 from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
+from cpd.sim.core_share import CoreShare
 from cpd.sim.workload import SimRequest
 from cpd.types import PREFILL_SIDE_ROLES, Role, Tier
 
@@ -200,6 +201,9 @@ class EngineClusterSpec:
     learn_router_cost: bool = False  # the router learns router_cost's prefill terms from the simulated
     # prefills as the live router does (cpd.router.estimates); False: router_cost stays fixed
     fit_router_cost: bool = False  # with learn_router_cost: fit (router.prefill_cost_fit), not one rate
+    cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
+    request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
+    # live stack's per-request work that an engine step's cost does not hold (HTTP, the handoff's staging)
 
 
 @dataclass
@@ -216,6 +220,8 @@ class _Inst:
     queued_prefill_s: float = 0.0
     running_requests: int = 0
     pending_handoffs: int = 0  # decode: routed here, KV not imported yet
+    step_version: int = 0  # shared cores: the current completion event of the running step
+    step_outs: Any = None  # shared cores: the running step's outputs, delivered when it ends
 
 
 class EngineSimulator:
@@ -243,6 +249,7 @@ class EngineSimulator:
         self.vocab_size = vocab_size
         self._store_name = f"cpd-sim-{id(self):x}"  # process-local L3 (cpd.store.mem_store)
         self.index = PrefixIndex()
+        self._share = CoreShare(cluster.cores) if cluster.cores > 0 else None
         self._prompts = PromptCache(self.bs)
         self.estimates = (CostEstimates(cluster.router_cost, fit_prefill=cluster.fit_router_cost)
                           if cluster.learn_router_cost else None)
@@ -460,12 +467,43 @@ class EngineSimulator:
             return
         outs = w.engine.step()
         dt = w.clock.take()
-        self._publish(now + dt, w)
+        if self.c.request_overhead_s > 0 and outs:
+            dt += self.c.request_overhead_s * self._num_first_tokens(outs)
+        if self._share is None or (dt <= 0 and not outs):
+            self._publish(now + dt, w)
         if dt <= 0 and not outs:
             return  # nothing could run (e.g. an import waits for blocks): a later event kicks again
         w.busy = True
         w.busy_s += dt
-        self.at(now + dt, self._step_done, w, outs)
+        if self._share is None:
+            self.at(now + dt, self._step_done, w, outs)
+            return
+        w.step_outs = outs
+        self._share.start(now, w.wid, dt)
+        self._reschedule_shared()
+
+    def _num_first_tokens(self, outs) -> int:
+        """Requests whose first token is among ``outs`` (their prefill ends in this step)."""
+        return sum(1 for o in outs if o.new_token_ids and self._record(int(o.request_id))["ttft_t"] is None)
+
+    def _reschedule_shared(self) -> None:
+        """Shared cores: every running step's completion, for the running set as it is now (an
+        earlier completion event of a step is stale from here on and is skipped)."""
+        assert self._share is not None
+        for wid, t in self._share.finish_times().items():
+            w = self.by_id[wid]
+            w.step_version += 1
+            self.at(t, self._shared_step_done, w, w.step_version)
+
+    def _shared_step_done(self, now: float, w: _Inst, version: int) -> None:
+        if version != w.step_version or not w.busy:
+            return
+        assert self._share is not None
+        self._share.finish(now, w.wid)
+        self._publish(now, w)
+        outs, w.step_outs = w.step_outs, None
+        self._reschedule_shared()
+        self._step_done(now, w, outs)
 
     def _publish(self, t: float, w: _Inst) -> None:
         if not w.batches:

@@ -2,6 +2,7 @@
 waiting time, infinite-cache hit ratio, and the live policy / index / engine objects in use."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -213,3 +214,41 @@ def test_the_router_sees_the_decode_workers_blocks_and_a_follow_up_goes_to_their
     assert a["decode"] != c["decode"] and c["done_t"] < 2.0 < a["done_t"]
     assert seen[2][a["decode"]] == 20  # A's whole prompt, in the decode worker's L1
     assert b["decode"] == (a["decode"] if margin >= 0 else c["decode"])
+
+
+def _ttfts(sim):
+    return [round(r["ttft_t"] - r["arrival"], 9) for r in sim.rec]
+
+
+def test_enough_shared_cores_change_nothing():
+    """With as many cores as instances, no step ever waits for a core: the same TTFTs as a
+    device per instance."""
+    base = EngineSimulator(_cluster(), _agent_requests(60)).run()
+    shared = EngineSimulator(dataclasses.replace(_cluster(), cores=3), _agent_requests(60)).run()
+    assert _ttfts(shared) == _ttfts(base)
+    assert shared.busy_s() == pytest.approx(base.busy_s())
+
+
+def test_fewer_cores_than_busy_instances_stretch_the_steps():
+    """Two prefill instances computing at once on one core take twice as long as on two."""
+    insts = tuple(EngineInstanceSpec(r, COST, _sched(), 2000, 0) for r in ("prefill", "prefill", "decode"))
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS), COST, BS, l3_bytes=0)
+    reqs = [SimRequest(0.0, 8 * BS, 1, tuple(range(100, 108))), SimRequest(0.0, 8 * BS, 1, tuple(range(200, 208)))]
+    own = EngineSimulator(cl, reqs).run()
+    one = EngineSimulator(dataclasses.replace(cl, cores=1), reqs).run()
+    assert {r["worker"] for r in own.rec} == {"prefill-0", "prefill-1"}
+    d = COST.step_time_s([(8 * BS, 0)])
+    assert _ttfts(own) == pytest.approx([d, d])
+    assert _ttfts(one) == pytest.approx([2 * d, 2 * d])
+    assert one.busy_s() == pytest.approx(own.busy_s())  # busy time is work, not wall
+
+
+def test_request_overhead_is_instance_time_per_finished_prefill():
+    insts = tuple(EngineInstanceSpec(r, COST, _sched(), 2000, 0) for r in ("prefill", "decode"))
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS), COST, BS, l3_bytes=0,
+                           request_overhead_s=0.25)
+    reqs = [SimRequest(0.0, 4 * BS, 1, tuple(range(100, 104))), SimRequest(0.0, 4 * BS, 1, tuple(range(200, 204)))]
+    sim = EngineSimulator(cl, reqs).run()
+    d = COST.step_time_s([(4 * BS, 0)]) + 0.25  # the first arrival's step starts alone; the second waits
+    assert _ttfts(sim) == pytest.approx([d, 2 * d])
+    assert sum(sim.busy_s().values()) == pytest.approx(2 * d)
