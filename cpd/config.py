@@ -216,6 +216,19 @@ class DeploymentSection(Section):
                                                             "backoff over")
     restart_ready_timeout_s: float = Field(300.0, gt=0, description="a restarted child must be ready "
                                                                     "within this")
+    liveness_timeout_s: float = Field(60.0, ge=0, description="restart a ready worker whose /health has failed "
+                                                              "(unhealthy or no answer) for this long without one "
+                                                              "good answer: a stuck engine after about "
+                                                              "engine.max_step_s + this, a process that no longer "
+                                                              "answers after about this (needs supervise; 0 = off; "
+                                                              "cpd.liveness)")
+    liveness_probe_interval_s: float = Field(5.0, gt=0, description="seconds between two /health probes of a "
+                                                                    "worker (liveness)")
+    liveness_probe_timeout_s: float = Field(5.0, gt=0, description="a /health probe without an answer within "
+                                                                   "this counts as failed (no_answer)")
+    liveness_startup_grace_s: float = Field(10.0, ge=0, description="failed probes in this long after a worker "
+                                                                    "reports READY do not count (a worker not yet "
+                                                                    "READY is never probed)")
 
     @model_validator(mode="after")
     def _pd_has_no_pre_prefill(self) -> "DeploymentSection":
@@ -320,6 +333,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("deployment.log_dir", ("--log-dir",)),
     Flag("deployment.restart_backoff_s", ("--restart-backoff-s",)),
     Flag("deployment.restart_backoff_max_s", ("--restart-backoff-max-s",)),
+    Flag("deployment.liveness_timeout_s", ("--liveness-timeout-s",)),
 )
 
 

@@ -10,7 +10,9 @@ the launcher is killed; children run in their own session, so a terminal's Ctrl-
 only the launcher, which stops them in order (router first, then workers).
 
 With ``deployment.supervise`` (the default) a child that exits is restarted with the
-same command line and ports, with exponential backoff (:mod:`cpd.supervise`); only
+same command line and ports, with exponential backoff (:mod:`cpd.supervise`); so is a
+worker that fails its ``/health`` probes for ``deployment.liveness_timeout_s`` (engine
+stuck, no answer: :mod:`cpd.liveness`), killed first; only
 :meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
 ``<log_dir>/supervisor.json``, which the router exports as metrics.
 """
@@ -36,7 +38,8 @@ import httpx
 
 from cpd.config import Config, ServedModel, WorkerEndpoint
 from cpd.config import write as write_config
-from cpd.supervise import Child, RestartPolicy, Supervisor
+from cpd.liveness import LivenessPolicy
+from cpd.supervise import Child, RestartPolicy, Supervisor, http_probe
 
 log = logging.getLogger("cpd.deploy")
 
@@ -216,6 +219,7 @@ class Deployment:
             info["url"] = f"http://{self.host}:{info['port']}"
             info["events_endpoint"] = f"tcp://{self.host}:{info['events_port']}"
             info["pid"] = proc.pid
+            c.health_url = f"{info['url']}/health"  # same port after a restart
             c.ready.set()
             self.workers.append(info)
 
@@ -306,8 +310,12 @@ class Deployment:
         """Write the status file; with ``supervise`` also start restarting exited children."""
         d = self.cfg.deployment
         policy = RestartPolicy(d.restart_backoff_s, d.restart_backoff_max_s, d.restart_stable_s)
+        liveness = LivenessPolicy(d.liveness_timeout_s, d.liveness_probe_interval_s, d.liveness_probe_timeout_s,
+                                  d.liveness_startup_grace_s)
+        auth = self.internal_client_auth()  # /health is an open path by default; signed in case it is not
         self.supervisor = Supervisor(list(self.children.values()), policy, self.status_path,
-                                     log_path=self._log_path)
+                                     log_path=self._log_path, liveness=liveness,
+                                     probe=lambda url, timeout_s: http_probe(url, timeout_s, auth=auth))
         if d.supervise:
             self.supervisor.start()
         else:

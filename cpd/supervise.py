@@ -15,6 +15,13 @@ Design:
   file) and counted in a small JSON **status file** (``status_path``; written atomically) that
   the router turns into metrics (``cpd_process_restarts_total``, ``cpd_process_up``) and serves
   at ``GET /cpd/processes``.
+* Liveness (:mod:`cpd.liveness`): a child with a ``health_url`` (the workers) is probed every
+  ``probe_interval_s`` by its own thread (off the supervisor's loop: a probe of a stopped process
+  waits ``probe_timeout_s``) once it has reported READY. When the pure :class:`LivenessState`
+  says the worker has failed every probe for ``timeout_s`` (engine stuck, no answer), its process
+  group is SIGKILLed (works on a SIGSTOPped process too) and the ordinary exit path above restarts
+  it with the same command line. The kill is logged with its reason and counted per reason in the
+  status file (``liveness_restarts``, exported as ``cpd_process_liveness_restarts_total``).
 * Only :meth:`Supervisor.pause` (called by ``Deployment.stop``, i.e. Ctrl-C/SIGTERM of
   ``cpd serve``) ends restarting. The supervisor thread lives until :meth:`close`, because the
   children it forked carry ``PR_SET_PDEATHSIG`` bound to it: they are stopped in order first.
@@ -24,12 +31,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+from cpd.liveness import LivenessPolicy, LivenessState, classify_health
 
 log = logging.getLogger("cpd.deploy")
 
@@ -66,6 +76,11 @@ class Child:
     last_exit_code: int | None = None
     on_started: Callable[["Child"], None] | None = None  # e.g. wait for the worker's READY line
     ready: threading.Event = field(default_factory=threading.Event)
+    health_url: str | None = None  # probed for liveness once ready (workers' /health); None: not probed
+    kill_reason: str | None = None  # set when the supervisor killed it (liveness), read by the exit path
+    last_restart_reason: str | None = None  # why the last restart happened ("exit code 1", "liveness: no_answer")
+    liveness_restarts: dict[str, int] = field(default_factory=dict)  # liveness kills per reason
+    liveness: dict | None = None  # the last probe verdict (LivenessState.report), for the status file
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -75,8 +90,15 @@ class Supervisor:
     """Watches children and restarts the ones that exit (a daemon thread, ``poll_interval_s``)."""
 
     def __init__(self, children: list[Child], policy: RestartPolicy, status_path: Path,
-                 poll_interval_s: float = 0.2, log_path: Callable[[str], Path] | None = None):
+                 poll_interval_s: float = 0.2, log_path: Callable[[str], Path] | None = None,
+                 liveness: LivenessPolicy | None = None,
+                 probe: Callable[[str, float], tuple[int | None, Any]] | None = None):
+        """``liveness``: restart children with a ``health_url`` that keep failing their probes (None
+        or ``timeout_s == 0``: off). ``probe(url, timeout_s)`` -> ``(status_code or None, JSON body)``
+        (default :func:`http_probe`)."""
         self.children = {c.name: c for c in children}
+        self.liveness = liveness if liveness is not None and liveness.enabled else None
+        self.probe = probe or http_probe
         self.policy = policy
         self.status_path = Path(status_path)
         self.poll_interval_s = poll_interval_s
@@ -84,12 +106,18 @@ class Supervisor:
         self._paused = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._status_lock = threading.Lock()  # status writers: the loop, liveness and ready threads
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.write_status()
         self._thread = threading.Thread(target=self._run, name="cpd-supervisor", daemon=True)
         self._thread.start()
+        if self.liveness is not None:
+            for c in self.children.values():
+                if c.health_url:
+                    threading.Thread(target=self._watch_liveness, args=(c,), name=f"cpd-liveness-{c.name}",
+                                     daemon=True).start()
 
     def pause(self) -> None:
         """No more restarts (the deployment is stopping); the thread stays up until close().
@@ -135,7 +163,10 @@ class Supervisor:
         c.failures = self.policy.next_failures(c.failures, uptime_s)
         delay_s = self.policy.delay_s(c.failures)
         c.restart_at_s = now + delay_s
-        msg = (f"process {c.name} ({c.role}, pid {c.proc.pid}) exited with code {c.last_exit_code} after "
+        c.last_restart_reason = c.kill_reason or f"exit code {c.last_exit_code}"
+        killed = f" (killed: {c.kill_reason})" if c.kill_reason else ""
+        c.kill_reason = None
+        msg = (f"process {c.name} ({c.role}, pid {c.proc.pid}) exited with code {c.last_exit_code}{killed} after "
                f"{uptime_s:.1f} s; restart #{c.restarts + 1} in {delay_s:.1f} s")
         log.warning(msg)
         self._note(c, msg)
@@ -156,6 +187,50 @@ class Supervisor:
         if c.on_started is not None:
             c.on_started(c)
 
+    # --- liveness ----------------------------------------------------------------------------
+    def _watch_liveness(self, c: Child) -> None:
+        """Probe ``c`` every ``probe_interval_s`` while it runs and is ready; kill it when the
+        policy says so (one thread per probed child, so a probe that hangs delays no other)."""
+        assert self.liveness is not None and c.health_url
+        policy = self.liveness
+        state: LivenessState | None = None
+        watched: subprocess.Popen | None = None
+        while not self._closed.wait(policy.probe_interval_s):
+            p = c.proc
+            if (self._paused.is_set() or p is None or not c.ready.is_set() or c.restart_at_s is not None
+                    or p.poll() is not None):
+                state = None  # starting, restarting or stopping: never probed
+                c.liveness = None
+                continue
+            if state is None or p is not watched:  # a new process incarnation
+                state, watched = LivenessState(policy), p
+                state.on_ready(time.monotonic())
+            status_code, body = self.probe(c.health_url, policy.probe_timeout_s)
+            now = time.monotonic()
+            reason = state.observe(classify_health(status_code, body, now))
+            before, c.liveness = c.liveness, state.report(now)
+            if reason is not None:
+                self._kill_for_liveness(c, p, reason, state.failing_for_s(now), state.num_failed_probes)
+                state = None
+            elif (before or {}).get("reason") != c.liveness["reason"]:
+                self.write_status()  # failing started or ended: visible at /cpd/processes
+
+    def _kill_for_liveness(self, c: Child, p: subprocess.Popen, reason: str, failing_s: float,
+                           failed_probes: int) -> None:
+        """SIGKILL ``p``'s process group (its own session under Deployment), unless the deployment
+        is stopping or ``p`` already exited or was replaced; the exit path restarts it."""
+        with self._lock:
+            if self._paused.is_set() or c.proc is not p or p.poll() is not None:
+                return
+            c.kill_reason = f"liveness: {reason}"
+            c.liveness_restarts[reason] = c.liveness_restarts.get(reason, 0) + 1
+            msg = (f"process {c.name} ({c.role}, pid {p.pid}) failed its liveness probe for {failing_s:.1f} s "
+                   f"({failed_probes} probes, last: {reason}); killing it (SIGKILL) for a restart")
+            log.warning(msg)
+            self._note(c, msg)
+            _kill_group(p)
+        self.write_status()
+
     def _note(self, c: Child, msg: str) -> None:
         """One line in the child's own log file, so its log tells its own history."""
         if self.log_path is None:
@@ -172,17 +247,49 @@ class Supervisor:
                 "processes": {c.name: {"role": c.role, "pid": c.proc.pid if c.proc else None, "alive": c.alive(),
                                        "ready": c.ready.is_set(), "restarts": c.restarts,
                                        "last_exit_code": c.last_exit_code,
-                                       "restart_pending": c.restart_at_s is not None}
+                                       "restart_pending": c.restart_at_s is not None,
+                                       "last_restart_reason": c.last_restart_reason,
+                                       "liveness_restarts": dict(c.liveness_restarts),
+                                       "liveness": c.liveness}
                               for c in self.children.values()}}
 
     def write_status(self) -> None:
         """Atomic rewrite of the status file (temp file + rename)."""
         tmp = self.status_path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(self.status()))
-            os.replace(tmp, self.status_path)
-        except OSError as e:
-            log.warning("cannot write supervisor status %s: %r", self.status_path, e)
+        with self._status_lock:
+            try:
+                tmp.write_text(json.dumps(self.status()))
+                os.replace(tmp, self.status_path)
+            except OSError as e:
+                log.warning("cannot write supervisor status %s: %r", self.status_path, e)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the process group ``p`` leads (its children too), else ``p`` alone."""
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, signal.SIGKILL)
+            return
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.kill()
+    except ProcessLookupError:
+        pass
+
+
+def http_probe(url: str, timeout_s: float, auth: Any = None) -> tuple[int | None, Any]:
+    """GET ``url``: ``(status code, JSON body or None)``, ``(None, None)`` without an answer in
+    ``timeout_s`` (or no connection)."""
+    import httpx
+    try:
+        r = httpx.get(url, timeout=timeout_s, auth=auth)
+    except httpx.HTTPError:
+        return None, None
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, None
 
 
 def read_status(path: str | os.PathLike) -> dict:

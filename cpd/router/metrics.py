@@ -68,7 +68,9 @@ class RouterMetrics:
 
     def watch_supervisor(self, status_path: str) -> None:
         """Export the deployment supervisor's status file (:mod:`cpd.supervise`) at each scrape:
-        ``cpd_process_restarts_total{process,role}`` and ``cpd_process_up{process,role}``."""
+        ``cpd_process_restarts_total{process,role}``, ``cpd_process_up{process,role}`` and
+        ``cpd_process_liveness_restarts_total{process,role,reason}`` (restarts the liveness probe
+        forced: ``engine_stuck``, ``no_answer``, ... ; :mod:`cpd.liveness`)."""
         self.registry.register(SupervisorCollector(status_path))
 
 
@@ -99,8 +101,15 @@ class SupervisorCollector:
                                        labels=["process", "role"])
         up = GaugeMetricFamily("cpd_process_up", "1 if the process runs and is ready, else 0",
                                labels=["process", "role"])
+        liveness = CounterMetricFamily("cpd_process_liveness_restarts", "Processes the supervisor killed for a "
+                                       "restart because they failed their liveness probe (by the last failure's "
+                                       "reason); also counted in cpd_process_restarts_total",
+                                       labels=["process", "role", "reason"])
         for name, p in sorted(procs.items()):
             restarts.add_metric([name, p.get("role", "")], float(p.get("restarts", 0)))
             up.add_metric([name, p.get("role", "")], 1.0 if p.get("alive") and p.get("ready") else 0.0)
+            for reason, n in sorted((p.get("liveness_restarts") or {}).items()):
+                liveness.add_metric([name, p.get("role", ""), reason], float(n))
         yield restarts
         yield up
+        yield liveness
