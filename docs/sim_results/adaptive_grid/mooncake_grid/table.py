@@ -1,6 +1,6 @@
 """The Mooncake grid table of README.md from the run's files: whole cells of
 ``benchmarks/adaptive_grid.py`` (``cells/*.json``), per-(seed, configuration) searches of
-``../claude_code_grid/cell_searches.py`` (``searches.jsonl``) and the TTFT 1 s / output 100 cell of
+``../claude_code_grid/cell_searches.py`` (``searches.jsonl``, on commit ``SEARCH_CODE``) and the TTFT 1 s / output 100 cell of
 ``../mooncake_heavy_quarter/grid.json`` (commit 8570904). Seeds whose four searches are not all
 done are listed without a ratio. Run from the repository root:
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("pd", "pd-l3", "cpd-static", "cpd")
+SEARCH_CODE = "864cf15"  # the commit the per-search runs of searches.jsonl ran on (sim_out/moon400/COMMIT)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
 
 
@@ -22,7 +23,7 @@ def from_cells() -> dict:
         d = json.loads(f.read_text())
         for row in d.get("cells", [d]):
             c, s = row["cell"], row["result"]
-            src = "8570904 (../mooncake_heavy_quarter)" if "heavy_quarter" in str(f) else "31a74a3"
+            src = "8570904 (../mooncake_heavy_quarter)" if "heavy_quarter" in str(f) else d.get("code", "31a74a3")
             for k, seed in enumerate(s["seeds"]):
                 out.setdefault((c["ttft_s"], c["output"]), {"src": src, "seeds": {}})["seeds"][seed] = \
                     {cfg: s["saturation"][cfg]["per_seed"][k] for cfg in CONFIGS}
@@ -36,7 +37,7 @@ def from_searches(out: dict) -> None:
     for line in f.read_text().splitlines():
         r = json.loads(line)
         key = (r["cell"][1], r["cell"][2])
-        cell = out.setdefault(key, {"src": "b7181b1 (searches.jsonl)", "seeds": {}})
+        cell = out.setdefault(key, {"src": f"{SEARCH_CODE} (searches.jsonl)", "seeds": {}})
         cell["seeds"].setdefault(r["seed"], {})[r["cfg"]] = r["sat"] or 0.0
 
 
