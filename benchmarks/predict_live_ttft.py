@@ -297,6 +297,8 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str, cost: Ca
         bench_s = time.monotonic() - t
         cpu1 = tree_cpu_s(serve.pid)
         load = sampler.stop()
+        with urllib.request.urlopen(url + "/cpd/requests", timeout=30) as r:  # per request: the worker's times
+            (out_dir / f"{tag}.requests.json").write_bytes(r.read())
         probe_after = service_probe(url, cost, serve.pid, (32, 128, 256, 512), 2, seed=2)
         uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     finally:

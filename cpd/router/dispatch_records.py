@@ -85,8 +85,9 @@ class RecentRequests:
     def remember(self, request_id: str, d: RouteDecision, pre: PrefillResponse, num_prompt_tokens: int,
                  ttft_s: float, raw_wait_s: float = 0.0) -> None:
         """Record one routed request: the decision (``reason``: why the winner won; ``candidates``:
-        every candidate's estimates, seconds), what the worker reported, TTFT and the
-        read-after-write hold (``raw_wait_s``)."""
+        every candidate's estimates, seconds), what the worker reported (cache hits per tier, its
+        call / queue / compute seconds, the steps it shared), TTFT and the read-after-write hold
+        (``raw_wait_s``)."""
         self.records[request_id] = {
             "class": str(d.request_class), "pool": str(d.pool), "prefill_worker": d.prefill_worker,
             "decode_worker": d.decode_worker, "reuse_ratio": d.reuse_ratio, "reasons": list(d.reasons),
@@ -95,7 +96,11 @@ class RecentRequests:
             "candidates": [{**asdict(c), "role": str(c.role)} for c in d.candidates],
             "raw_wait_s": raw_wait_s, "load_plan": asdict(d.load_plan),
             "cached_tokens_by_tier": {str(t): n for t, n in pre.num_cached_tokens_by_tier.items()},
-            "prompt_tokens": num_prompt_tokens, "ttft_s": ttft_s}
+            "prompt_tokens": num_prompt_tokens, "ttft_s": ttft_s,
+            # the prefill worker's own account (PrefillResponse): its whole call, the engine queue,
+            # the rest, and the steps that ran while this request was admitted (all their tokens)
+            "worker_prefill_s": pre.prefill_s, "worker_queue_s": pre.queue_s, "worker_compute_s": pre.compute_s,
+            "step_tokens": pre.step_tokens, "step_s": pre.step_s}
         self._tenant_of[request_id] = current_tenant.get()
         while len(self.records) > self.max_requests:
             old, _ = self.records.popitem(last=False)

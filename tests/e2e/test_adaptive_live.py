@@ -108,6 +108,9 @@ def test_hot_prefix_spreads_over_workers(adaptive_dep):
         assert r["prefill_worker"] in {c["worker_id"] for c in r["candidates"]}
         assert all(c["ttft_s"] >= 0 and c["wait_s"] >= 0 for c in r["candidates"])
         assert r["cached_tokens_by_tier"].get("L1", 0) + r["cached_tokens_by_tier"].get("L3", 0) >= 480
+        if r["pool"] != "decode":  # a prefill worker's own account: queue within its call, the steps it shared
+            assert 0 <= r["worker_queue_s"] <= r["worker_prefill_s"] <= r["ttft_s"], r
+            assert r["step_tokens"] >= 16 and r["step_s"] > 0, r
     assert _metric(dep, "cpd_route_decisions_total", reason=records[0]["reason"]) >= 1
 
 
