@@ -97,7 +97,9 @@ def serve(cfg: Any = None,
     The launcher supervises its children: a worker or router that exits is restarted on the
     same ports with exponential backoff while the others keep serving (logged here and in
     LOG_DIR/<process>.log; counted in /metrics as cpd_process_restarts_total and listed at
-    /cpd/processes). Only Ctrl-C/SIGTERM stops everything (router first, then workers)."""
+    /cpd/processes). A worker whose /health keeps failing (engine stuck, no answer) for
+    --liveness-timeout-s is killed and restarted the same way (cpd.liveness). Only Ctrl-C/SIGTERM
+    stops everything (router first, then workers)."""
     import logging
 
     from cpd.deploy import Deployment
