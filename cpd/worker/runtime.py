@@ -3,8 +3,15 @@ asyncio waiters, KV events flushed after every step.
 
 Threading model: the engine thread is the only one that calls ``Engine.step``;
 handlers on the asyncio loop call ``add_request``/``abort`` (thread-safe in the
-engine) and run ``export_kv``/``add_decode_request`` under :attr:`engine_lock`,
-which the engine thread also holds during a step.
+engine) and run ``add_decode_request`` (and snapshots) under :attr:`engine_lock`,
+which the engine thread also holds during a step; a waiting handler goes before the next
+step (:class:`HandlerFirstLock`).
+
+Handoff staging: a prefill-mode request's KV is staged by the engine thread itself, right after
+the step that produced its first token and before that token is delivered (``stage_handoff``,
+installed by the worker). Staged from a handler thread instead, it waited for the engine lock,
+which the engine thread takes again at once for its next step: under a queue the handoff (and
+the TTFT) waited one or more whole steps — 2-4 s per request in a live Mooncake replay.
 
 Failures (issue 7 §2): a request the engine finishes with ``"error"`` gets a
 :class:`RequestFailed` on its stream (its handler answers an error for that request
@@ -20,9 +27,11 @@ event loop has closed) can end the thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from cpd.kv.event_bus import EventPublisher
 
@@ -82,6 +91,47 @@ class DuplicateRequestId(ValueError):
     """A request id that is already in flight on this worker (the caller answers 409)."""
 
 
+class HandlerFirstLock:
+    """The engine lock (:attr:`EngineRunner.engine_lock`): the engine thread holds it for each step,
+    handlers (``with lock:``) take it between steps, and a waiting handler goes first. A plain
+    ``threading.Lock`` is not fair: the engine thread releases it and takes it again at once for
+    its next step, so a handler waiting for it (a decode import, a KV snapshot) could wait many
+    steps. Here the engine thread does not start a step while a handler waits (for at most
+    ``max_defer_s`` at a time, so that a stream of handlers cannot stop the engine)."""
+
+    def __init__(self, max_defer_s: float = 1.0) -> None:
+        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._waiting = 0
+        self.max_defer_s = max_defer_s
+
+    def __enter__(self) -> "HandlerFirstLock":
+        with self._cv:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._cv:
+                self._waiting -= 1
+                self._cv.notify_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def acquire_for_step(self) -> None:
+        """The engine thread: wait until no handler waits (bounded), then take the lock."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._waiting == 0, timeout=self.max_defer_s)
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+
 class EngineRunner:
     """Runs ``engine.step()`` in a dedicated thread while there is work."""
 
@@ -91,13 +141,18 @@ class EngineRunner:
         self.max_step_s = max_step_s
         self._step_started_s: float | None = None  # monotonic start of the step running now
         self.publisher = publisher
-        self.engine_lock = threading.Lock()
+        self.engine_lock = HandlerFirstLock()
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.num_steps = 0
         self.step_health = health or StepHealth()
+        # on the engine thread, under engine_lock, for each output with finish_reason "handoff":
+        # stage that request's KV (see the module docstring); None: the handler stages it
+        self.stage_handoff: Callable[[str], Any] | None = None
+        self.release_staged: Callable[[str, Any], None] | None = None  # undo one for a request nobody waits for
+        self._staged: dict[str, concurrent.futures.Future] = {}  # request id -> stage_handoff's outcome
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -142,6 +197,32 @@ class EngineRunner:
     def close_stream(self, request_id: str) -> None:
         with self._streams_lock:
             self._streams.pop(request_id, None)
+            self._staged.pop(request_id, None)
+
+    def take_staged(self, request_id: str) -> concurrent.futures.Future | None:
+        """The outcome of the engine thread's staging of ``request_id`` (None: not staged there)."""
+        with self._streams_lock:
+            return self._staged.pop(request_id, None)
+
+    def _stage_handoffs(self, outputs) -> None:
+        """Engine thread, under engine_lock: stage every handoff among ``outputs`` whose stream is
+        open. A stream closed meanwhile (its handler dropped the request: ``abort`` closes the
+        stream before the handler releases the staging) gets nothing staged, or what was staged is
+        released at once, so that nothing outlives the request."""
+        for out in outputs:
+            if out.finish_reason != "handoff" or not self.in_flight(out.request_id):
+                continue
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(self.stage_handoff(out.request_id))
+            except Exception as e:  # the handler answers it as an error of this request only
+                fut.set_exception(e)
+            with self._streams_lock:
+                if out.request_id in self._streams:
+                    self._staged[out.request_id] = fut
+                    continue
+            if fut.exception() is None and self.release_staged is not None:
+                self.release_staged(out.request_id, fut.result())
 
     def submit(self, engine_request) -> RequestStream:
         """Register a stream and add the request to the engine."""
@@ -171,13 +252,18 @@ class EngineRunner:
                     self.publisher.flush()
                 continue
             try:
-                with self.engine_lock:
+                self.engine_lock.acquire_for_step()
+                try:
                     self._step_started_s = time.monotonic()
                     try:
                         outputs = self.engine.step()
                     finally:
                         self._step_started_s = None
                     step_error = getattr(self.engine, "last_step_error", None)
+                    if self.stage_handoff is not None:
+                        self._stage_handoffs(outputs)
+                finally:
+                    self.engine_lock.release()
             except BaseException as e:  # an engine bug outside its own isolation: fail every waiter, never hang
                 self.step_health.record_failure(e, time.monotonic())
                 self._fail_all(e)

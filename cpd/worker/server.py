@@ -95,6 +95,7 @@ class WorkerState:
         self._fallbacks_reported: dict[str, int] = {}
         self._transfers_reported: dict[Tier, tuple[int, float]] = {}
         self.on_role_change: list[Callable[[Role], None]] = []  # e.g. the registrar's (cpd.worker.main)
+        install_engine_thread_staging(self)
 
     def change_role(self, role: Role) -> RoleChangeResponse:
         """Serve ``role`` from now on (prefill-side roles only).
@@ -386,19 +387,37 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
 
-    def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
-        token_ids: list[int] = []
-        with st.runner.engine_lock:  # the KV is gathered straight into its staging area: one copy
-            handle = st.sender.stage_into(rid, st.engine.export_kv_shape(rid), _kv_wire_dtype(st.engine),
-                                          lambda out: token_ids.extend(st.engine.export_kv_into(rid, out)))
-            st.engine.release(rid)
-        return token_ids, handle
-
-    token_ids, handle = await _staged(st, rid, asyncio.to_thread(export_and_stage))
+    staged = st.runner.take_staged(rid)  # staged by the engine thread after the step (cpd.worker.runtime)
+    if staged is not None:
+        token_ids, handle = await _staged(st, rid, asyncio.wrap_future(staged))
+    else:
+        def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
+            with st.runner.engine_lock:
+                return stage_held(st, rid)
+        token_ids, handle = await _staged(st, rid, asyncio.to_thread(export_and_stage))
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
     return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes), token_ids=list(token_ids))
+
+
+def stage_held(st: WorkerState, rid: str) -> tuple[list[int], Any]:
+    """Stage the KV of the held request ``rid`` for its handoff and release it from the engine
+    (caller holds the engine lock): the KV is gathered straight into its staging area, one copy.
+    Returns ``(token_ids, handle)``."""
+    token_ids: list[int] = []
+    handle = st.sender.stage_into(rid, st.engine.export_kv_shape(rid), _kv_wire_dtype(st.engine),
+                                  lambda out: token_ids.extend(st.engine.export_kv_into(rid, out)))
+    st.engine.release(rid)
+    return token_ids, handle
+
+
+def install_engine_thread_staging(st: WorkerState) -> None:
+    """Let the engine thread stage each handoff right after its step (cpd.worker.runtime)."""
+    if st.sender is None:
+        return
+    st.runner.stage_handoff = lambda rid: stage_held(st, rid)
+    st.runner.release_staged = lambda rid, staged: st.sender.release(rid, staged[1].generation)
 
 
 async def _staged(st: WorkerState, rid: str, staging):

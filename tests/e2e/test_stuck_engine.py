@@ -44,6 +44,9 @@ HANG_SEED, HANG_S = 4242, 16.0
 BOUND_S = MAX_STEP_S + 6.0
 MODELED = {"engine.executor": "modeled", "engine.hardware": GPU, "engine.model_shape": SHAPE, "engine.tp": 1,
            "engine.time_dilation": DILATION, "engine.num_blocks": 1024, "engine.max_prefill_chunk_tokens": 512,
+           # room in a step for the seeded request beside a 512-token chunk of the client's prompt, so
+           # that the hang lands mid-prefill (with 512, it waited until the prefill had ended)
+           "engine.max_num_batched_tokens": 1024,
            "handoff.arena_bytes": 16 << 20, "engine.max_step_s": MAX_STEP_S}
 TIMEOUTS = {"connect_s": 2.0, "prefill_idle_s": 5.0, "prefill_stall_s": 60.0, "decode_idle_s": 5.0}
 JSON = {"content-type": "application/json"}
