@@ -279,11 +279,14 @@ class RMSNorm(nn.Module):
 SMALL_ROWS = 16
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, big=F.linear) -> torch.Tensor:
+def _mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, big=F.linear,
+        all_rows: bool = False) -> torch.Tensor:
     """``F.linear(x, w, b)`` for 2-D ``x``; as ``(w @ x.T).T`` (made contiguous) when ``x`` has at
     most :data:`SMALL_ROWS` rows (same math, another sgemm path; see :data:`SMALL_ROWS`), else by
-    ``big`` (``F.linear``, or :func:`cpd.engine.cpu_blas.linear` where that is faster)."""
-    if x.shape[0] > SMALL_ROWS:
+    ``big`` (``F.linear``, or :func:`cpd.engine.cpu_blas.linear` where that is faster). With
+    ``all_rows`` every row count goes to ``big`` (the layers' weights stored transposed for OpenBLAS,
+    see :func:`_linear`)."""
+    if all_rows or x.shape[0] > SMALL_ROWS:
         return big(x, w, b)
     y = torch.mm(w, x.t()).t().contiguous()
     return y if b is None else y + b
@@ -298,17 +301,32 @@ def _head_major(x: torch.Tensor) -> torch.Tensor:
     return (x if x.shape[1] == 1 else x.contiguous())[None]
 
 
-def _linear(i: int, o: int, bias: bool, device, dtype) -> nn.Linear:
-    lin = nn.Linear(i, o, bias=bias, device=device, dtype=dtype)
+def _linear(i: int, o: int, bias: bool, device, dtype, transposed: bool = False) -> nn.Linear:
+    """``nn.Linear(i, o)`` without grad. ``transposed``: its ``[o, i]`` weight is a view of ``[i, o]``
+    storage (for :func:`cpd.engine.cpu_blas.linear`: OpenBLAS then runs ``x @ W`` on the stored
+    matrix as it is, which on an AVX2 EPYC (float32, 1 thread, SmolLM2's 30 layers of linears) took
+    1.07x less CPU time at 128 rows and 1.4x less at 1 and 8 rows than the ``[o, i]`` storage did with
+    OpenBLAS at 128 rows and MKL's ``w @ x.T`` at 1 – 8 rows; ``docs/results/engine_speed``,
+    session 9)."""
+    lin = nn.Linear(i, o, bias=bias, device="meta" if transposed else device, dtype=dtype)
+    if transposed:
+        lin.weight = nn.Parameter(torch.zeros(i, o, device=device, dtype=dtype).t(), requires_grad=False)
+        if bias:
+            lin.bias = nn.Parameter(torch.zeros(o, device=device, dtype=dtype), requires_grad=False)
     lin.requires_grad_(False)
     return lin
 
 
-def _fused_linears(outs: Sequence[int], i: int, bias: bool, device, dtype) -> tuple[list[nn.Linear], torch.Tensor,
-                                                                                 torch.Tensor | None]:
+def _fused_linears(outs: Sequence[int], i: int, bias: bool, device, dtype,
+                   transposed: bool = False) -> tuple[list[nn.Linear], torch.Tensor, torch.Tensor | None]:
     """Linears whose weights (and biases) are row slices of one fused tensor, so that one
-    matmul computes them all; loading into each linear's parameter fills the fused tensor."""
-    w = torch.zeros(sum(outs), i, device=device, dtype=dtype)
+    matmul computes them all; loading into each linear's parameter fills the fused tensor.
+    ``transposed``: the fused ``[sum(outs), i]`` weight is a view of ``[i, sum(outs)]`` storage
+    (see :func:`_linear`)."""
+    if transposed:
+        w = torch.zeros(i, sum(outs), device=device, dtype=dtype).t()
+    else:
+        w = torch.zeros(sum(outs), i, device=device, dtype=dtype)
     bvec = torch.zeros(sum(outs), device=device, dtype=dtype) if bias else None
     lins, o0 = [], 0
     for o in outs:
@@ -328,17 +346,21 @@ class DecoderLayer(nn.Module):
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
+        #: OpenBLAS where cpu_blas wants it: then the weights are stored transposed and every linear,
+        #: whatever its row count, runs through it (else torch's, ``(w @ x.T).T`` up to SMALL_ROWS rows)
+        self.weights_transposed = cpu_blas.wanted(torch.device(device), dtype)
+        tr = self.weights_transposed
         b = cfg.attention_bias
         (self.q_proj, self.k_proj, self.v_proj), self._qkv_w, self._qkv_b = _fused_linears(
-            (self.nh * d, self.nkv * d, self.nkv * d), h, b, device, dtype)
-        self.o_proj = _linear(self.nh * d, h, b, device, dtype)
+            (self.nh * d, self.nkv * d, self.nkv * d), h, b, device, dtype, tr)
+        self.o_proj = _linear(self.nh * d, h, b, device, dtype, tr)
         mb = cfg.mlp_bias
         self.inter = cfg.intermediate_size
         (self.gate_proj, self.up_proj), self._gu_w, self._gu_b = _fused_linears(
-            (cfg.intermediate_size, cfg.intermediate_size), h, mb, device, dtype)
-        self.down_proj = _linear(cfg.intermediate_size, h, mb, device, dtype)
-        #: linear of more than SMALL_ROWS rows (prefill): torch's, or OpenBLAS where cpu_blas wants it
-        self.big_linear = cpu_blas.linear if cpu_blas.wanted(torch.device(device), dtype) else F.linear
+            (cfg.intermediate_size, cfg.intermediate_size), h, mb, device, dtype, tr)
+        self.down_proj = _linear(cfg.intermediate_size, h, mb, device, dtype, tr)
+        #: linear of more than SMALL_ROWS rows (prefill; every linear when weights_transposed)
+        self.big_linear = cpu_blas.linear if tr else F.linear
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: BatchMetadata, batched_decode: bool = True,
@@ -350,9 +372,9 @@ class DecoderLayer(nn.Module):
         and the result is ``[len(keep_rows), hidden]``."""
         T = x.shape[0]
         nh, nkv, d = self.nh, self.nkv, self.d
-        big = self.big_linear
+        big, tr = self.big_linear, self.weights_transposed
         r = self.input_layernorm(x)
-        qkv = _mm(r, self._qkv_w, self._qkv_b, big)  # [T, (nh + 2 nkv) d]
+        qkv = _mm(r, self._qkv_w, self._qkv_b, big, tr)  # [T, (nh + 2 nkv) d]
         qk = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
         rot = qk.roll(d // 2, -1).mul_(sin)  # sin: _signed_sin (rotate_half without the cat)
         qk.mul_(cos).add_(rot)  # RoPE on q and k together, in place in qkv
@@ -381,11 +403,11 @@ class DecoderLayer(nn.Module):
                                                                        kv_layer, meta, arena_layer))
         if keep_rows is not None:
             x, attn = x.index_select(0, keep_rows), attn.index_select(0, keep_rows)
-        x = x + _mm(attn, self.o_proj.weight, self.o_proj.bias, big)
+        x = x + _mm(attn, self.o_proj.weight, self.o_proj.bias, big, tr)
         r = self.post_attention_layernorm(x)
-        gu = _mm(r, self._gu_w, self._gu_b, big)
+        gu = _mm(r, self._gu_w, self._gu_b, big, tr)
         act = F.silu(gu[:, :self.inter], inplace=True).mul_(gu[:, self.inter:])  # SwiGLU in place (strided rows)
-        x = x + _mm(act, self.down_proj.weight, self.down_proj.bias, big)
+        x = x + _mm(act, self.down_proj.weight, self.down_proj.bias, big, tr)
         return x
 
     def _attend_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMetadata,
@@ -497,8 +519,8 @@ class DecoderLayer(nn.Module):
                 mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(diagonal=prior)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             outs.append((qs, n, o[0].transpose(0, 1).reshape(n, self.nh * self.d)))
-        if T is None and len(outs) == 1:
-            return outs[0][2]
+        if len(outs) == 1 and (T is None or (outs[0][0] == 0 and outs[0][1] == T)):
+            return outs[0][2]  # one sequence covers the batch: its output is the result (no copy)
         if T is None:
             return torch.cat([o for _, _, o in sorted(outs, key=lambda x: x[0])], 0)
         attn = q.new_empty(T, self.nh * self.d)

@@ -1,6 +1,6 @@
 """Interleaved decode A/B for issue 13 (AMD EPYC section of README.md): cpd at tree OLD vs cpd at
 tree NEW vs transformers, each in its own process holding its model; every repetition runs
-old, new, transformers back to back (1 torch thread, float32, nice 10).
+old, new, transformers back to back (1 torch thread, float32, nice 10; AB_NICE=19 for nice 19).
 
 Usage: python ab_decode.py OLD_TREE NEW_TREE DECODE_POINTS PREFILL_POINTS REPS STEPS OUT.json
 (e.g. `git worktree add --detach /tmp/old OLD_COMMIT` or `git archive OLD_COMMIT | tar -x -C /tmp/old`, then
@@ -25,7 +25,7 @@ for line in sys.stdin:
     print(json.dumps(out), flush=True)
 '''
 def start(tree, side, mt, ms):
-    p = subprocess.Popen(["nice", "-n", "10", "/work/main/.venv/bin/python", "-c", WORKER, side, str(mt), str(ms)],
+    p = subprocess.Popen(["nice", "-n", os.environ.get("AB_NICE", "10"), "/work/main/.venv/bin/python", "-c", WORKER, side, str(mt), str(ms)],
                          cwd=tree, env={**os.environ, "PYTHONPATH": tree}, stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     json.loads(p.stdout.readline())

@@ -23,7 +23,7 @@ def run(kind):
             elif kind == 'cur_ob': cpu_blas.linear(x, W[k][i])
             elif kind == 'T_ob': cpu_blas.linear(x, WTv[k][i])
 cpu_blas.linear(torch.randn(20, 576), W['o'][0])
-kinds = ['cur_small', 'T_small', 'T_linear'] if B <= 16 else ['cur_ob', 'T_ob']
+kinds = ['cur_small', 'T_small', 'T_linear', 'cur_ob', 'T_ob'] if B <= 16 else ['cur_ob', 'T_ob']
 res = {k: [] for k in kinds}
 for r in range(reps):
     for k in kinds:
