@@ -320,6 +320,11 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
     from cpd.engine.engine import EngineRequest
     rid = body.request_id
     t0 = time.monotonic()
+    if st.sender is None:  # nothing to stage a handoff with: a decode worker (it appends, POST /append)
+        return _error(f"prefill on a {st.role} worker: only prefill-side workers prefill", 409, "wrong_role")
+    if st.sender.is_staged(rid):  # its staging would fail after the whole prefill, and its cleanup free the other's
+        return _error(f"request id {rid!r} is already staged for a handoff on this worker", 409,
+                      "duplicate_request_id")
     try:
         ereq = EngineRequest(request_id=rid, prompt_token_ids=body.prompt_token_ids, sampling=body.sampling,
                              cache_salt=body.cache_salt, mode="prefill", max_l3_blocks=body.max_l3_blocks,
@@ -336,6 +341,10 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
     except RuntimeError as e:  # the engine failed this step
         _drop_prefill(st, rid)
         return _error(str(e), 500)
+    except Exception as e:  # staging the handoff failed (or a bug): this request only, with its cause
+        _drop_prefill(st, rid)
+        log.exception("prefill %s failed", rid)
+        return _error(f"prefill failed: {e!r}", 500, "prefill_failed")
     except BaseException:
         _drop_prefill(st, rid)
         raise
@@ -365,6 +374,10 @@ async def _prefill_lines(st: WorkerState, rid: str, stream, request: Request, t0
         except RuntimeError as e:  # the engine failed this step
             _drop_prefill(st, rid)
             line = PrefillLine(error=str(e))
+        except Exception as e:  # staging the handoff failed (or a bug): an error line, not a cut-off body
+            _drop_prefill(st, rid)
+            log.exception("prefill %s failed", rid)
+            line = PrefillLine(error=f"prefill failed: {e!r}")
         yield encode(line) + b"\n"
     except BaseException:
         task.cancel()

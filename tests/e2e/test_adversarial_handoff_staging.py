@@ -16,9 +16,10 @@ real router, real modeled worker processes, real HTTP (``pd`` 1 + 1, one module 
 - ``slow``: a supervised ``cpd`` deployment (3 s liveness timeout) under all of the above at once:
   exact tokens, no liveness restart, no leak.
 
-Two tests are marked ``xfail(strict=True)``: they FAIL ON HEAD (and, by the code, before 4b83705):
-a staging that raises is answered with a bare 500 and its cleanup frees the other call's staging of
-the same id; a /prefill sent to a decode worker crashes on its missing sender.
+Two tests failed before the fix that followed them (the bugs are older than 4b83705): a second prefill of a request id still
+staged was answered with a bare 500 after the whole prefill, and its cleanup freed the other call's
+staging of that id; a /prefill sent to a decode worker crashed on its missing sender. Both are now
+refused up front with 409 and a code (``duplicate_request_id``, ``wrong_role``).
 """
 from __future__ import annotations
 
@@ -312,7 +313,7 @@ def test_cpd_supervised_under_mixed_load_exact_tokens_no_false_restart_no_leaks(
                     time.sleep(0.01)
 
         def drop(k):  # prefills whose client goes away around their first token
-            prefill_side = [w for w in d.workers if w["role"] != "decode"]  # a decode worker: see the xfail below
+            prefill_side = [w for w in d.workers if w["role"] != "decode"]  # a decode worker refuses /prefill (409 wrong_role)
             url = prefill_side[k % len(prefill_side)]["url"]
             for j in range(6):
                 try:
@@ -375,10 +376,6 @@ def _which_staged(d, rids: list[str]) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="FAILS ON HEAD (4b83705, and before it): a staging that raises is answered "
-                   "with a bare 500 'Internal Server Error' (no message, no code), and the failed call's cleanup "
-                   "(_drop_prefill: sender.release(rid) without a generation) frees the staging another call of the "
-                   "same id still holds")
 def test_a_duplicate_staging_is_refused_clearly_and_leaves_the_held_staging_alone(dep):
     """A second prefill of a request id whose first staging is still held (its decode has not fetched
     it yet): the engine thread's ``stage_into`` raises ``ValueError("already staged")``. Expected: a
@@ -392,23 +389,20 @@ def test_a_duplicate_staging_is_refused_clearly_and_leaves_the_held_staging_alon
                         auth=auth)
         staged_after = _staged(dep)
         print(r2.status_code, r2.text[:200], "stagings left:", staged_after)
-        assert r2.status_code != 500 or "staged" in r2.text, r2.text  # a clear error
+        assert r2.status_code == 409 and r2.json()["code"] == "duplicate_request_id", r2.text  # a clear error
         assert staged_after == 1  # the first call's staging is still there for its decode
     finally:
         _release(dep, first.handoff)
         assert_no_leaks(dep)
 
 
-@pytest.mark.xfail(strict=True, reason="FAILS ON HEAD (pre-existing): a decode worker (no handoff sender) runs a "
-                   "/prefill and then crashes on st.sender None (AttributeError): a bare 500, or a streamed answer "
-                   "cut off mid-body, instead of a clear refusal")
 def test_a_prefill_sent_to_a_decode_worker_is_refused_clearly(dep):
     auth, url = dep.internal_client_auth(), _url(dep, "decode")
     r = httpx.post(f"{url}/prefill", content=_prefill_body("wrong-role", random_prompt(23, 100), False), headers=JSON,
                    timeout=60, auth=auth)
     print(r.status_code, r.text[:200])
     try:
-        assert r.status_code in (400, 403, 409, 503) or (r.status_code == 500 and "Internal Server Error" != r.text), \
+        assert r.status_code == 409 and r.json()["code"] == "wrong_role", \
             r.text
     finally:
         assert_no_leaks(dep)

@@ -165,6 +165,11 @@ class HandoffSender:
         hdr = REGION_HDR.pack(REGION_MAGIC, generation, nbytes, checksum)
         self._shm_arena.buf[off:off + len(hdr)] = np.frombuffer(hdr, dtype=np.uint8)
 
+    def is_staged(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a staging not yet released (or reclaimed)."""
+        with self._lock:
+            return str(request_id) in self._entries
+
     def release(self, request_id: str, generation: int | None = None) -> bool:
         """Free the request's staged data. Returns False if unknown (already released/reclaimed)
         or if ``generation`` is given and names another staging of the same id (a late release
