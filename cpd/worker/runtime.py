@@ -119,9 +119,6 @@ class HandlerFirstLock:
     def __exit__(self, *exc) -> None:
         self._lock.release()
 
-    def locked(self) -> bool:
-        return self._lock.locked()
-
     def acquire_for_step(self) -> None:
         """The engine thread: wait until no handler waits (bounded), then take the lock."""
         with self._cv:
@@ -149,7 +146,7 @@ class EngineRunner:
         self.num_steps = 0
         self.step_health = health or StepHealth()
         # on the engine thread, under engine_lock, for each output with finish_reason "handoff":
-        # stage that request's KV (see the module docstring); None: the handler stages it
+        # stage that request's KV (see the module docstring; installed by a worker with a handoff sender)
         self.stage_handoff: Callable[[str], Any] | None = None
         self.release_staged: Callable[[str, Any], None] | None = None  # undo one for a request nobody waits for
         self._staged: dict[str, concurrent.futures.Future] = {}  # request id -> stage_handoff's outcome

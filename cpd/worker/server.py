@@ -400,14 +400,12 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     if not handoff:  # the first token already ended the request; the engine freed its blocks
         return resp
 
-    staged = st.runner.take_staged(rid)  # staged by the engine thread after the step (cpd.worker.runtime)
-    if staged is not None:
-        token_ids, handle = await _staged(st, rid, asyncio.wrap_future(staged))
-    else:
-        def export_and_stage():  # blocking (waits for the engine step, copies MBs): off the event loop
-            with st.runner.engine_lock:
-                return stage_held(st, rid)
-        token_ids, handle = await _staged(st, rid, asyncio.to_thread(export_and_stage))
+    # staged by the engine thread right after the step, before it delivered this output
+    # (cpd.worker.runtime; a worker without a sender refuses /prefill, so the hook is installed)
+    staged = st.runner.take_staged(rid)
+    if staged is None:
+        raise RuntimeError(f"request {rid}: its handoff was not staged by the engine thread")
+    token_ids, handle = await _staged(st, rid, asyncio.wrap_future(staged))
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
@@ -415,8 +413,8 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
 
 
 def stage_held(st: WorkerState, rid: str) -> tuple[list[int], Any]:
-    """Stage the KV of the held request ``rid`` for its handoff and release it from the engine
-    (caller holds the engine lock): the KV is gathered straight into its staging area, one copy.
+    """Stage the KV of the held request ``rid`` for its handoff and release it from the engine (the
+    engine thread, under the engine lock): the KV is gathered straight into its staging area, one copy.
     Returns ``(token_ids, handle)``."""
     token_ids: list[int] = []
     handle = st.sender.stage_into(rid, st.engine.export_kv_shape(rid), _kv_wire_dtype(st.engine),
@@ -434,9 +432,10 @@ def install_engine_thread_staging(st: WorkerState) -> None:
 
 
 async def _staged(st: WorkerState, rid: str, staging):
-    """Await the staging thread ``staging``. If the caller is cancelled meanwhile (client gone:
-    its abort released ``rid``'s staging before the thread made it), the staging is released
-    when the thread finishes; else it stayed until the sender's reclaim."""
+    """Await ``staging``, the engine thread's staging of ``rid`` (done, or about to be seen done by
+    this loop). If the caller is cancelled meanwhile (client gone: its abort released ``rid``'s
+    staging before this call saw the handle), the staging is released once it is seen done;
+    else it would stay until the sender's reclaim."""
     fut = asyncio.ensure_future(staging)
     try:
         return await asyncio.shield(fut)
