@@ -25,17 +25,21 @@ def test_a_waiting_handler_gets_the_lock_within_one_step():
     engine = threading.Thread(target=_engine_loop, args=(lock, stop, steps))
     engine.start()
     try:
-        waits = []
+        waits, steps_waited = [], []
         for _ in range(20):
             time.sleep(STEP_S * 0.37)  # arrive somewhere inside a step
-            t = time.monotonic()
+            t, n0 = time.monotonic(), len(steps)
             with lock:
                 waits.append(time.monotonic() - t)
+                steps_waited.append(len(steps) - n0)
                 n_before = len(steps)
                 time.sleep(0.01)
                 assert len(steps) == n_before  # no step runs while the handler holds it
         # at most the rest of the running step (plus scheduling slack on a loaded machine)
         assert max(waits) < 3 * STEP_S, waits
+        # only the step running when it arrived ends before it (a plain Lock: the engine thread,
+        # retaking it at once, ran one more step first in every try here)
+        assert max(steps_waited) <= 1, steps_waited
     finally:
         stop.set()
         engine.join(5)
