@@ -98,8 +98,9 @@ def serve(cfg: Any = None,
     same ports with exponential backoff while the others keep serving (logged here and in
     LOG_DIR/<process>.log; counted in /metrics as cpd_process_restarts_total and listed at
     /cpd/processes). A worker whose /health keeps failing (engine stuck, no answer) for
-    --liveness-timeout-s is killed and restarted the same way (cpd.liveness). Only Ctrl-C/SIGTERM
-    stops everything (router first, then workers)."""
+    --liveness-timeout-s, or reports --liveness-max-failed-steps consecutive failed engine steps,
+    and a router that does not answer /health for --liveness-timeout-s, are killed and restarted
+    the same way (cpd.liveness). Only Ctrl-C/SIGTERM stops everything (router first, then workers)."""
     import logging
 
     from cpd.deploy import Deployment

@@ -220,8 +220,9 @@ class DeploymentSection(Section):
                                                               "(unhealthy or no answer) for this long without one "
                                                               "good answer: a stuck engine after about "
                                                               "engine.max_step_s + this, a process that no longer "
-                                                              "answers after about this (needs supervise; 0 = off; "
-                                                              "cpd.liveness)")
+                                                              "answers after about this; the router likewise once "
+                                                              "its /health has not answered for this long (needs "
+                                                              "supervise; 0 = off; cpd.liveness)")
     liveness_probe_interval_s: float = Field(5.0, gt=0, description="seconds between two /health probes of a "
                                                                     "worker (liveness)")
     liveness_probe_timeout_s: float = Field(5.0, gt=0, description="a /health probe without an answer within "
@@ -229,6 +230,12 @@ class DeploymentSection(Section):
     liveness_startup_grace_s: float = Field(10.0, ge=0, description="failed probes in this long after a worker "
                                                                     "reports READY do not count (a worker not yet "
                                                                     "READY is never probed)")
+    liveness_max_failed_steps: int = Field(10, ge=0, description="restart a ready worker whose /health reports "
+                                                                 "this many consecutive failed engine steps (no good "
+                                                                 "step between: its engine fails whatever it runs); "
+                                                                 "one bad request fails one step, so never restarts "
+                                                                 "a worker unless this is 1 (needs supervise; 0 = "
+                                                                 "off; cpd.liveness)")
 
     @model_validator(mode="after")
     def _pd_has_no_pre_prefill(self) -> "DeploymentSection":
@@ -334,6 +341,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("deployment.restart_backoff_s", ("--restart-backoff-s",)),
     Flag("deployment.restart_backoff_max_s", ("--restart-backoff-max-s",)),
     Flag("deployment.liveness_timeout_s", ("--liveness-timeout-s",)),
+    Flag("deployment.liveness_max_failed_steps", ("--liveness-max-failed-steps",)),
 )
 
 

@@ -12,8 +12,12 @@ only the launcher, which stops them in order (router first, then workers).
 With ``deployment.supervise`` (the default) a child that exits is restarted with the
 same command line and ports, with exponential backoff (:mod:`cpd.supervise`); so is a
 worker that fails its ``/health`` probes for ``deployment.liveness_timeout_s`` (engine
-stuck, no answer: :mod:`cpd.liveness`), killed first; only
-:meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
+stuck, no answer: :mod:`cpd.liveness`) or reports ``deployment.liveness_max_failed_steps``
+consecutive failed engine steps, and a router whose ``/health`` does not answer for
+``liveness_timeout_s``, killed first. A restarted router rebuilds its view at start-up as it
+built it the first time: the workers from ``router.toml`` (a role changed at run time is adopted
+from the worker's ``/info``), their L1/L2 blocks from ``/kv_snapshot`` and the L3 view from a
+store listing; only :meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
 ``<log_dir>/supervisor.json``, which the router exports as metrics.
 """
 from __future__ import annotations
@@ -38,7 +42,7 @@ import httpx
 
 from cpd.config import Config, ServedModel, WorkerEndpoint
 from cpd.config import write as write_config
-from cpd.liveness import LivenessPolicy
+from cpd.liveness import LivenessPolicy, classify_answer
 from cpd.supervise import Child, RestartPolicy, Supervisor, http_probe
 
 log = logging.getLogger("cpd.deploy")
@@ -288,7 +292,8 @@ class Deployment:
         path = write_config(self._router_config(w0), Path(self._tmp) / "router.toml")
         c = Child("router", "router", self._spawner(["-m", "cpd.router.main", "--config", str(path)], "router",
                                             stdout_pipe=False),
-                  on_started=self._watch_router_ready)
+                  on_started=self._watch_router_ready, health_url=f"{self.url}/health",
+                  classify=classify_answer)  # alive while it answers (503 "degraded" is about the workers)
         c.proc = c.spawn()
         c.started_at_s = time.monotonic()
         self.children["router"] = c
@@ -311,7 +316,7 @@ class Deployment:
         d = self.cfg.deployment
         policy = RestartPolicy(d.restart_backoff_s, d.restart_backoff_max_s, d.restart_stable_s)
         liveness = LivenessPolicy(d.liveness_timeout_s, d.liveness_probe_interval_s, d.liveness_probe_timeout_s,
-                                  d.liveness_startup_grace_s)
+                                  d.liveness_startup_grace_s, d.liveness_max_failed_steps)
         auth = self.internal_client_auth()  # /health is an open path by default; signed in case it is not
         self.supervisor = Supervisor(list(self.children.values()), policy, self.status_path,
                                      log_path=self._log_path, liveness=liveness,

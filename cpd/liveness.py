@@ -1,4 +1,4 @@
-"""Liveness of a supervised worker (pure policy; the probing and the kill are in :mod:`cpd.supervise`).
+"""Liveness of a supervised worker or router (pure policy; the probing and the kill are in :mod:`cpd.supervise`).
 
 A worker can be alive as a process and still out of service for good: its engine step never
 returns (the worker says ``engine_stuck`` on ``/health`` once the step has run
@@ -14,6 +14,22 @@ within ``probe_timeout_s`` counts as failed, reason ``no_answer``) and feeds the
   (the supervisor's start-up bounds apply); failures in the first ``startup_grace_s`` after READY
   are not counted (the HTTP server may not listen yet);
 * ``timeout_s == 0`` turns it off.
+
+Failing engine steps (``max_failed_steps``): a worker whose engine steps keep failing (a broken
+device, a corrupted executor) answers 503 only while its latest failure is younger than the
+worker's ``retry_after_s``, then 200 again so that the router tries it once more
+(:class:`cpd.worker.runtime.StepHealth`): the probes alternate, and the timeout above never fires.
+Its ``/health`` body, 200 or 503, carries ``consecutive_failed_steps`` (failed steps since the last
+good one), so the policy also restarts a worker once that count reaches ``max_failed_steps``
+(reason ``consecutive_failed_steps``; 0 turns this off). One bad request fails the one step that
+scheduled it (its neighbours in that step too) and the next good step resets the count: a single
+request never gets a worker restarted unless the limit is 1. The count grows only while nothing
+succeeds between failures, i.e. the engine fails whatever it runs (or the only traffic is the
+same bad request, sent again ``max_failed_steps`` times with nothing else in between).
+
+Answering at all (:func:`classify_answer`, the router): a process whose ``/health`` status is about
+others (the router says 503 ``degraded`` while no worker is usable) is alive while it answers
+anything; only ``timeout_s`` without an answer restarts it (a SIGSTOPped or wedged event loop).
 
 What counts as failing: any answer but 200 (503 ``engine_stuck``, 503 after failing steps) and
 no answer in time. A stuck engine is restarted about ``engine.max_step_s + timeout_s`` after its
@@ -32,6 +48,7 @@ NO_ANSWER = "no_answer"
 ENGINE_STUCK = "engine_stuck"
 FAILED_STEPS = "failed_steps"
 UNHEALTHY = "unhealthy"
+CONSECUTIVE_FAILED_STEPS = "consecutive_failed_steps"  # restart reason of the failed-steps limit
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,7 @@ class ProbeResult:
     at_s: float
     healthy: bool
     reason: str = ""  # why not healthy: engine_stuck | failed_steps | unhealthy | http_<status> | no_answer
+    consecutive_failed_steps: int = 0  # as the worker reported it (200 or 503); 0 when unknown
 
 
 @dataclass(frozen=True)
@@ -52,10 +70,11 @@ class LivenessPolicy:
     probe_interval_s: float = 5.0
     probe_timeout_s: float = 5.0
     startup_grace_s: float = 10.0  # after READY, failures are not counted this long
+    max_failed_steps: int = 0  # this many consecutive failed engine steps -> restart; 0 = off
 
     @property
     def enabled(self) -> bool:
-        return self.timeout_s > 0
+        return self.timeout_s > 0 or self.max_failed_steps > 0
 
 
 def classify_health(status_code: int | None, body: Any, at_s: float) -> ProbeResult:
@@ -63,15 +82,32 @@ def classify_health(status_code: int | None, body: Any, at_s: float) -> ProbeRes
     no connection). ``body``: the decoded JSON body, or anything else when it was not JSON."""
     if status_code is None:
         return ProbeResult(at_s, False, NO_ANSWER)
+    failed_steps = _failed_steps(body)
     if status_code == 200:
-        return ProbeResult(at_s, True)
+        return ProbeResult(at_s, True, consecutive_failed_steps=failed_steps)
     if status_code == 503 and isinstance(body, dict):
         if body.get("stuck"):
-            return ProbeResult(at_s, False, ENGINE_STUCK)
-        if body.get("consecutive_failed_steps"):
-            return ProbeResult(at_s, False, FAILED_STEPS)
+            return ProbeResult(at_s, False, ENGINE_STUCK, failed_steps)
+        if failed_steps:
+            return ProbeResult(at_s, False, FAILED_STEPS, failed_steps)
         return ProbeResult(at_s, False, UNHEALTHY)
-    return ProbeResult(at_s, False, f"http_{status_code}")
+    return ProbeResult(at_s, False, f"http_{status_code}", failed_steps)
+
+
+def classify_answer(status_code: int | None, body: Any, at_s: float) -> ProbeResult:
+    """Liveness of a process whose ``/health`` status says more about others than about itself
+    (the router: 503 ``degraded`` while no worker is usable; 401 where an operator took ``/health``
+    out of ``auth.open_paths``): any HTTP answer is alive (its event loop serves), no answer in
+    time fails (``no_answer``). Restarting it for a status would not bring the workers back."""
+    if status_code is None:
+        return ProbeResult(at_s, False, NO_ANSWER)
+    return ProbeResult(at_s, True)
+
+
+def _failed_steps(body: Any) -> int:
+    """``consecutive_failed_steps`` of a ``/health`` body (0 when absent or not a count)."""
+    n = body.get("consecutive_failed_steps") if isinstance(body, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 @dataclass
@@ -84,6 +120,7 @@ class LivenessState:
     failing_since_s: float | None = None  # first failed probe of the current failing run
     last_reason: str = ""  # reason of the last failed probe
     num_failed_probes: int = 0  # in the current failing run
+    consecutive_failed_steps: int = 0  # as the last probe's answer reported it
 
     def on_ready(self, now_s: float) -> None:
         self.ready_at_s = now_s
@@ -95,9 +132,15 @@ class LivenessState:
         self.num_failed_probes = 0
 
     def observe(self, probe: ProbeResult) -> str | None:
-        """Take one probe result; returns the restart reason (the last failure's reason) when the
-        worker has failed every probe for ``timeout_s``, else None."""
+        """Take one probe result; returns the restart reason when the worker has failed every probe
+        for ``timeout_s`` (the last failure's reason) or reports ``max_failed_steps`` consecutive
+        failed engine steps (``consecutive_failed_steps``), else None."""
         if not self.policy.enabled or self.ready_at_s is None:
+            return None
+        self.consecutive_failed_steps = probe.consecutive_failed_steps
+        if 0 < self.policy.max_failed_steps <= probe.consecutive_failed_steps:
+            return CONSECUTIVE_FAILED_STEPS
+        if self.policy.timeout_s <= 0:
             return None
         if probe.healthy:
             self._reset()
@@ -116,6 +159,6 @@ class LivenessState:
 
     def report(self, now_s: float) -> dict:
         """For the status file: ``{"failing_for_s", "reason", "failed_probes"}`` (all zero/empty when
-        the last probe was good)."""
+        the last probe was good) and ``consecutive_failed_steps`` (the last answer's)."""
         return {"failing_for_s": round(self.failing_for_s(now_s), 2), "reason": self.last_reason,
-                "failed_probes": self.num_failed_probes}
+                "failed_probes": self.num_failed_probes, "consecutive_failed_steps": self.consecutive_failed_steps}

@@ -15,12 +15,15 @@ Design:
   file) and counted in a small JSON **status file** (``status_path``; written atomically) that
   the router turns into metrics (``cpd_process_restarts_total``, ``cpd_process_up``) and serves
   at ``GET /cpd/processes``.
-* Liveness (:mod:`cpd.liveness`): a child with a ``health_url`` (the workers) is probed every
-  ``probe_interval_s`` by its own thread (off the supervisor's loop: a probe of a stopped process
-  waits ``probe_timeout_s``) once it has reported READY. When the pure :class:`LivenessState`
-  says the worker has failed every probe for ``timeout_s`` (engine stuck, no answer), its process
-  group is SIGKILLed (works on a SIGSTOPped process too) and the ordinary exit path above restarts
-  it with the same command line. The kill is logged with its reason and counted per reason in the
+* Liveness (:mod:`cpd.liveness`): a child with a ``health_url`` (the workers and the router) is
+  probed every ``probe_interval_s`` by its own thread (off the supervisor's loop: a probe of a
+  stopped process waits ``probe_timeout_s``) once it has reported READY; ``Child.classify`` reads
+  the answer (workers: :func:`~cpd.liveness.classify_health`; the router, whose ``/health`` is 503
+  ``degraded`` while no worker is usable: :func:`~cpd.liveness.classify_answer`, any answer is
+  alive). When the pure :class:`LivenessState` says the child has failed every probe for
+  ``timeout_s`` (engine stuck, no answer) or reports ``max_failed_steps`` consecutive failed engine
+  steps, its process group is SIGKILLed (works on a SIGSTOPped process too) and the ordinary exit
+  path above restarts it with the same command line. The kill is logged with its reason and counted per reason in the
   status file (``liveness_restarts``, exported as ``cpd_process_liveness_restarts_total``).
 * Only :meth:`Supervisor.pause` (called by ``Deployment.stop``, i.e. Ctrl-C/SIGTERM of
   ``cpd serve``) ends restarting. The supervisor thread lives until :meth:`close`, because the
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cpd.liveness import LivenessPolicy, LivenessState, classify_health
+from cpd.liveness import CONSECUTIVE_FAILED_STEPS, LivenessPolicy, LivenessState, ProbeResult, classify_health
 
 log = logging.getLogger("cpd.deploy")
 
@@ -76,7 +79,8 @@ class Child:
     last_exit_code: int | None = None
     on_started: Callable[["Child"], None] | None = None  # e.g. wait for the worker's READY line
     ready: threading.Event = field(default_factory=threading.Event)
-    health_url: str | None = None  # probed for liveness once ready (workers' /health); None: not probed
+    health_url: str | None = None  # probed for liveness once ready (/health); None: not probed
+    classify: Callable[[int | None, Any, float], ProbeResult] = classify_health  # reads a probe's answer
     kill_reason: str | None = None  # set when the supervisor killed it (liveness), read by the exit path
     last_restart_reason: str | None = None  # why the last restart happened ("exit code 1", "liveness: no_answer")
     liveness_restarts: dict[str, int] = field(default_factory=dict)  # liveness kills per reason
@@ -207,16 +211,15 @@ class Supervisor:
                 state.on_ready(time.monotonic())
             status_code, body = self.probe(c.health_url, policy.probe_timeout_s)
             now = time.monotonic()
-            reason = state.observe(classify_health(status_code, body, now))
+            reason = state.observe(c.classify(status_code, body, now))
             before, c.liveness = c.liveness, state.report(now)
             if reason is not None:
-                self._kill_for_liveness(c, p, reason, state.failing_for_s(now), state.num_failed_probes)
+                self._kill_for_liveness(c, p, reason, _verdict(state, reason, now))
                 state = None
-            elif (before or {}).get("reason") != c.liveness["reason"]:
+            elif _changed(before, c.liveness):
                 self.write_status()  # failing started or ended: visible at /cpd/processes
 
-    def _kill_for_liveness(self, c: Child, p: subprocess.Popen, reason: str, failing_s: float,
-                           failed_probes: int) -> None:
+    def _kill_for_liveness(self, c: Child, p: subprocess.Popen, reason: str, verdict: str) -> None:
         """SIGKILL ``p``'s process group (its own session under Deployment), unless the deployment
         is stopping or ``p`` already exited or was replaced; the exit path restarts it."""
         with self._lock:
@@ -224,8 +227,7 @@ class Supervisor:
                 return
             c.kill_reason = f"liveness: {reason}"
             c.liveness_restarts[reason] = c.liveness_restarts.get(reason, 0) + 1
-            msg = (f"process {c.name} ({c.role}, pid {p.pid}) failed its liveness probe for {failing_s:.1f} s "
-                   f"({failed_probes} probes, last: {reason}); killing it (SIGKILL) for a restart")
+            msg = f"process {c.name} ({c.role}, pid {p.pid}) {verdict}; killing it (SIGKILL) for a restart"
             log.warning(msg)
             self._note(c, msg)
             _kill_group(p)
@@ -262,6 +264,21 @@ class Supervisor:
                 os.replace(tmp, self.status_path)
             except OSError as e:
                 log.warning("cannot write supervisor status %s: %r", self.status_path, e)
+
+
+def _verdict(state: LivenessState, reason: str, now_s: float) -> str:
+    """Why the liveness policy said restart, for the log."""
+    if reason == CONSECUTIVE_FAILED_STEPS:
+        return f"reported {state.consecutive_failed_steps} consecutive failed engine steps"
+    return (f"failed its liveness probe for {state.failing_for_s(now_s):.1f} s ({state.num_failed_probes} probes, "
+            f"last: {reason})")
+
+
+def _changed(before: dict | None, after: dict) -> bool:
+    """Whether a liveness report differs from the last one in what ``/cpd/processes`` should show at
+    once (failing started or ended, the failed-steps count moved)."""
+    keys = ("reason", "consecutive_failed_steps")
+    return any((before or {}).get(k) != after.get(k) for k in keys)
 
 
 def _kill_group(p: subprocess.Popen) -> None:

@@ -9,6 +9,9 @@ starts (:meth:`FaultPlan.from_env`); an empty environment injects nothing.
 - ``CPD_FAULT_STEP_ERROR_SEED=N``: the model forward raises in every step that schedules a
   request whose ``seed`` is N (a whole-step failure: the step's requests fail, the engine
   keeps serving the others and new ones).
+- ``CPD_FAULT_BREAK_SEED=N``: the first step that schedules a request whose ``seed`` is N breaks
+  the engine for good: that step and every later one fail (a device that broke: only a new
+  process clears it). The worker then fails whatever it runs.
 - ``CPD_FAULT_STEP_HANG_SEED=N``: the model forward blocks (never returns, or for
   ``CPD_FAULT_STEP_HANG_S`` seconds when that is set) in every step that schedules a request whose
   ``seed`` is N: a stuck engine (a hung kernel, a deadlock) while the worker's event loop lives.
@@ -19,11 +22,12 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 SAMPLE_ERROR_ENV = "CPD_FAULT_SAMPLE_ERROR_SEED"
 STEP_ERROR_ENV = "CPD_FAULT_STEP_ERROR_SEED"
+BREAK_ENV = "CPD_FAULT_BREAK_SEED"
 STEP_HANG_ENV = "CPD_FAULT_STEP_HANG_SEED"
 STEP_HANG_S_ENV = "CPD_FAULT_STEP_HANG_S"
 WORKER_ENV = "CPD_FAULT_WORKER"
@@ -46,6 +50,8 @@ class FaultPlan:
     step_error_seed: int | None = None
     step_hang_seed: int | None = None
     step_hang_s: float | None = None  # None: the hang never ends
+    break_seed: int | None = None
+    _broken: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, worker_id: str | None = None) -> "FaultPlan":
@@ -56,11 +62,12 @@ class FaultPlan:
             return cls()
         hang_s = env.get(STEP_HANG_S_ENV, "").strip()
         return cls(_seed_env(env, SAMPLE_ERROR_ENV), _seed_env(env, STEP_ERROR_ENV), _seed_env(env, STEP_HANG_ENV),
-                   float(hang_s) if hang_s else None)
+                   float(hang_s) if hang_s else None, _seed_env(env, BREAK_ENV))
 
     @property
     def active(self) -> bool:
-        return any(s is not None for s in (self.sample_error_seed, self.step_error_seed, self.step_hang_seed))
+        return any(s is not None for s in (self.sample_error_seed, self.step_error_seed, self.step_hang_seed,
+                                           self.break_seed))
 
     def check_sample(self, seed: int | None) -> None:
         """Raise :class:`InjectedFault` if sampling for a request with this seed must fail."""
@@ -68,11 +75,15 @@ class FaultPlan:
             raise InjectedFault(f"injected sampling fault (seed {seed})")
 
     def check_step(self, seeds: Iterable[int | None]) -> None:
-        """Raise :class:`InjectedFault` if a step scheduling these requests must fail; block
-        (forever, or ``step_hang_s``) if it must hang."""
-        if self.step_error_seed is None and self.step_hang_seed is None:
+        """Raise :class:`InjectedFault` if a step scheduling these requests must fail (or the engine
+        is broken: every step fails); block (forever, or ``step_hang_s``) if it must hang."""
+        if self.step_error_seed is None and self.step_hang_seed is None and self.break_seed is None:
             return
         seeds = set(seeds)
+        if self.break_seed is not None and self.break_seed in seeds:
+            self._broken.set()
+        if self._broken.is_set():
+            raise InjectedFault(f"injected broken engine (since a step with seed {self.break_seed})")
         if self.step_hang_seed is not None and self.step_hang_seed in seeds:
             threading.Event().wait(self.step_hang_s)  # nothing sets it: a step that does not return
         if self.step_error_seed is not None and self.step_error_seed in seeds:

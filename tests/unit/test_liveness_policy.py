@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpd.liveness import (ENGINE_STUCK, FAILED_STEPS, NO_ANSWER, UNHEALTHY, LivenessPolicy, LivenessState,
-                          ProbeResult, classify_health)
+from cpd.liveness import (CONSECUTIVE_FAILED_STEPS, ENGINE_STUCK, FAILED_STEPS, NO_ANSWER, UNHEALTHY, LivenessPolicy,
+                          LivenessState, ProbeResult, classify_answer, classify_health)
 
 POLICY = LivenessPolicy(timeout_s=30.0, probe_interval_s=5.0, probe_timeout_s=2.0, startup_grace_s=10.0)
 
@@ -48,7 +48,7 @@ def test_one_good_probe_resets_the_failing_run():
     before = _failing(200.0, 225.0, 5.0)  # 25 s of failures, 5 s short of the timeout
     assert _feed(st, before) == [None] * len(before)
     assert st.observe(ProbeResult(230.0, True)) is None
-    assert st.report(230.0) == {"failing_for_s": 0.0, "reason": "", "failed_probes": 0}
+    assert st.report(230.0) == {"failing_for_s": 0.0, "reason": "", "failed_probes": 0, "consecutive_failed_steps": 0}
     after = _failing(235.0, 264.0, 5.0)  # a new run: 29 s long, still short of the timeout
     assert _feed(st, after) == [None] * len(after)
     assert st.observe(ProbeResult(265.0, False, NO_ANSWER)) == NO_ANSWER  # 30 s after the new run began
@@ -118,3 +118,88 @@ def test_busy_but_healthy_worker_is_never_restarted():
 def test_classify_health(status, body, healthy, reason):
     r = classify_health(status, body, 7.0)
     assert (r.at_s, r.healthy, r.reason) == (7.0, healthy, reason)
+
+
+# --- failing engine steps (max_failed_steps) ------------------------------------------------------
+STEPS = LivenessPolicy(timeout_s=30.0, probe_interval_s=5.0, probe_timeout_s=2.0, startup_grace_s=10.0,
+                       max_failed_steps=4)
+
+
+def _health(at_s: float, failed_steps: int, status: int | None = None) -> ProbeResult:
+    """A worker's /health answer as the probe reads it: 503 while its failures are recent (the
+    worker's ``retry_after_s``), 200 once idle for that long, the count in both."""
+    code = status if status is not None else (503 if failed_steps >= 2 else 200)
+    return classify_health(code, {"healthy": code == 200, "stuck": False, "consecutive_failed_steps": failed_steps},
+                           at_s)
+
+
+def test_a_worker_whose_steps_keep_failing_is_restarted_although_it_flaps_back_to_200():
+    """The worker says 200 again after ``retry_after_s`` (the router retries it), so the probes
+    alternate and the timeout never fires; the count it reports does."""
+    st = _ready_state(STEPS)
+    probes = [_health(200.0, 1), _health(205.0, 2), _health(210.0, 2, 200), _health(215.0, 3),
+              _health(220.0, 3, 200), _health(225.0, 4)]
+    verdicts = _feed(st, probes)
+    assert verdicts == [None] * 5 + [CONSECUTIVE_FAILED_STEPS]
+    assert st.report(225.0)["consecutive_failed_steps"] == 4
+
+
+def test_the_count_restarts_even_when_the_probe_itself_says_200():
+    st = _ready_state(STEPS)
+    assert st.observe(_health(200.0, 7, status=200)) == CONSECUTIVE_FAILED_STEPS
+
+
+def test_one_bad_request_never_restarts_a_worker():
+    """One bad request fails the step that scheduled it (count 1) and the next good step resets the
+    count; bad requests with good steps between them never add up."""
+    st = _ready_state(STEPS)
+    probes = []
+    for i in range(200):
+        probes += [_health(200.0 + 10 * i, 1), _health(205.0 + 10 * i, 0)]
+    assert not any(_feed(st, probes))
+
+
+def test_failed_steps_limit_zero_turns_it_off_and_the_timeout_still_works():
+    st = _ready_state(LivenessPolicy(timeout_s=30.0, startup_grace_s=10.0, max_failed_steps=0))
+    assert st.observe(_health(200.0, 10_000, status=200)) is None
+    verdicts = _feed(st, [_health(200.0 + 5 * i, 10_000, status=503) for i in range(7)])
+    assert verdicts[-1] == FAILED_STEPS and not any(verdicts[:-1])  # the timeout: 30 s of 503
+
+
+def test_failed_steps_alone_enables_the_policy():
+    only_steps = LivenessPolicy(timeout_s=0.0, max_failed_steps=3)
+    assert only_steps.enabled
+    st = _ready_state(only_steps)
+    assert not any(_feed(st, _failing(200.0, 10_000.0, 5.0, NO_ANSWER)))  # no timeout
+    assert st.observe(_health(10_005.0, 3)) == CONSECUTIVE_FAILED_STEPS
+
+
+def test_failed_steps_need_ready_like_the_rest():
+    st = LivenessState(STEPS)  # not READY
+    assert st.observe(_health(200.0, 100)) is None
+
+
+@pytest.mark.parametrize("body,count", [
+    ({"consecutive_failed_steps": 5}, 5), ({"consecutive_failed_steps": 0}, 0), ({}, 0), (None, 0),
+    ({"consecutive_failed_steps": True}, 0), ({"consecutive_failed_steps": "5"}, 0),
+    ({"consecutive_failed_steps": -3}, 0), ("text", 0),
+])
+def test_classify_health_reads_the_failed_steps_count(body, count):
+    assert classify_health(200, body, 1.0).consecutive_failed_steps == count
+
+
+# --- the router: any answer is alive ------------------------------------------------------------
+@pytest.mark.parametrize("status,healthy,reason", [
+    (200, True, ""), (503, True, ""),  # 503 "degraded": no usable worker, the router itself is fine
+    (401, True, ""), (500, True, ""), (None, False, NO_ANSWER),
+])
+def test_classify_answer(status, healthy, reason):
+    r = classify_answer(status, {"status": "degraded"}, 3.0)
+    assert (r.at_s, r.healthy, r.reason) == (3.0, healthy, reason)
+
+
+def test_a_degraded_router_is_never_restarted_a_silent_one_is():
+    st = _ready_state()
+    assert not any(_feed(st, [classify_answer(503, {"status": "degraded"}, 200.0 + 5 * i) for i in range(100)]))
+    verdicts = _feed(st, [classify_answer(None, None, 800.0 + 5 * i) for i in range(7)])
+    assert verdicts[-1] == NO_ANSWER and not any(verdicts[:-1])

@@ -4,6 +4,7 @@ so a test can make it unhealthy), so it runs in seconds. The whole-deployment ve
 workers is ``tests/e2e/test_liveness_restart.py``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cpd.deploy import free_port
-from cpd.liveness import ENGINE_STUCK, NO_ANSWER, LivenessPolicy
+from cpd.liveness import (CONSECUTIVE_FAILED_STEPS, ENGINE_STUCK, NO_ANSWER, LivenessPolicy, classify_answer,
+                          classify_health)
 from cpd.supervise import Child, RestartPolicy, Supervisor, read_status
 
 CHILD = r"""
@@ -43,15 +45,17 @@ BOUND_S = 10.0  # timeout + probe timeouts + restart backoff + start, with room 
 
 
 class Fixture:
-    def __init__(self, tmp: Path, wait_ready: bool = True):
+    def __init__(self, tmp: Path, wait_ready: bool = True, policy: LivenessPolicy = POLICY,
+                 classify=classify_health):
         self.port = free_port()
         self.state = tmp / "health.json"
         self.set(OK)
         self.tmp = tmp
         self.child = Child("w0", "decode", self._spawn, on_started=self._on_started if wait_ready else None)
         self.child.health_url = f"http://127.0.0.1:{self.port}/health"
+        self.child.classify = classify
         self.sup = Supervisor([self.child], RestartPolicy(0.2, 1.0, 60.0), tmp / "supervisor.json",
-                              poll_interval_s=0.05, log_path=lambda name: tmp / f"{name}.log", liveness=POLICY)
+                              poll_interval_s=0.05, log_path=lambda name: tmp / f"{name}.log", liveness=policy)
         self.child.proc = self._spawn()
         self.child.started_at_s = time.monotonic()
         if wait_ready:
@@ -168,3 +172,51 @@ def test_no_kill_once_paused(fx):
     fx.set(STUCK)
     time.sleep(POLICY.timeout_s * 3)
     assert old.poll() is None and fx.child.restarts == 0
+
+
+def _started(tmp_path: Path, **kw) -> Fixture:
+    f = Fixture(tmp_path, **kw)
+    f.wait_ready()
+    f.sup.start()
+    return f
+
+
+def test_child_reporting_failed_steps_is_restarted_even_while_it_answers_200(tmp_path):
+    """A worker whose steps keep failing flips back to 200 after its retry_after_s; the count in its
+    /health body gets it restarted (reason consecutive_failed_steps), a count under the limit not."""
+    f = _started(tmp_path, policy=dataclasses.replace(POLICY, timeout_s=0.0, max_failed_steps=3))
+    try:
+        old = f.child.proc
+        f.set([200, {"status": "ok", "healthy": True, "consecutive_failed_steps": 2}])
+        time.sleep(POLICY.probe_interval_s * 5)
+        assert f.child.proc is old and f.child.restarts == 0
+        assert read_status(tmp_path / "supervisor.json")["processes"]["w0"]["liveness"]["consecutive_failed_steps"] == 2
+        t0 = time.monotonic()
+        f.set([200, {"status": "ok", "healthy": True, "consecutive_failed_steps": 3}])
+        f.wait_pid_change(old.pid)
+        print(f"restarted {time.monotonic() - t0:.2f} s after the count reached the limit")
+        f.set(OK)
+        assert old.returncode == -signal.SIGKILL
+        st = read_status(tmp_path / "supervisor.json")["processes"]["w0"]
+        assert st["liveness_restarts"] == {CONSECUTIVE_FAILED_STEPS: 1}, st
+        assert st["last_restart_reason"] == f"liveness: {CONSECUTIVE_FAILED_STEPS}", st
+        assert "reported 3 consecutive failed engine steps" in (tmp_path / "w0.log").read_text()
+    finally:
+        f.close()
+
+
+def test_router_child_degraded_is_left_alone_stopped_is_restarted(tmp_path):
+    """The router's /health is 503 ``degraded`` while no worker is usable: alive (classify_answer);
+    SIGSTOPped it answers nothing and is restarted (no_answer)."""
+    f = _started(tmp_path, classify=classify_answer)
+    try:
+        old = f.child.proc
+        f.set([503, {"status": "degraded", "workers": {"p0": False}}])
+        time.sleep(POLICY.timeout_s * 2.5)
+        assert f.child.proc is old and f.child.restarts == 0 and f.child.liveness_restarts == {}
+        os.kill(old.pid, signal.SIGSTOP)
+        f.wait_pid_change(old.pid)
+        assert old.returncode == -signal.SIGKILL
+        assert read_status(tmp_path / "supervisor.json")["processes"]["w0"]["liveness_restarts"] == {NO_ANSWER: 1}
+    finally:
+        f.close()
