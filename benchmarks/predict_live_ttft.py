@@ -79,7 +79,8 @@ def parse_config(s: str) -> tuple[str, int, int, int]:
 
 def replay_options(a: argparse.Namespace) -> ReplayOptions:
     """The options ``cpd bench`` builds from the same flags (context cap: the model's 8192)."""
-    return ReplayOptions(tokens_per_block=a.tokens_per_hash_id, time_scale=a.time_scale, max_requests=a.requests,
+    return ReplayOptions(tokens_per_block=a.tokens_per_hash_id, time_scale=a.time_scale, start=a.start,
+                         max_requests=a.requests,
                          max_output_tokens=a.max_output_tokens, context_len=a.context_len,
                          spread_ticks=a.spread_ticks)
 
@@ -273,7 +274,8 @@ def measure(cfg_s: str, a: argparse.Namespace, out_dir: Path, tag: str, cost: Ca
     pools = ["--prefill", str(pf), "--decode", str(dc)] + (["--pre-prefill", str(pre)] if topo == "cpd" else [])
     serve_cmd = [cpd, "serve", "--topology", topo, *pools, "--port", str(a.port), "--log-dir", str(out_dir / f"{tag}-logs")]
     bench_out = out_dir / f"{tag}.bench.json"
-    bench_cmd = [cpd, "bench", "--url", url, "--trace", str(a.trace), "--max-requests", str(a.requests),
+    bench_cmd = [cpd, "bench", "--url", url, "--trace", str(a.trace), "--start", str(a.start),
+                 "--max-requests", str(a.requests),
                  "--tokens-per-hash-id", str(a.tokens_per_hash_id), "--time-scale", str(a.time_scale),
                  "--max-output-tokens", str(a.max_output_tokens), "--label", tag, "--out", str(bench_out),
                  "--spread-ticks" if a.spread_ticks else "--bursty-ticks"]
@@ -353,7 +355,9 @@ def rel_err(pred: float | None, meas: float | None) -> float | None:
 
 def check_same_slice(earlier: dict[str, Any], now: dict[str, Any]) -> None:
     """``--measured-from``: the earlier runs replayed the slice the flags describe now."""
-    diff = {k: (earlier.get(k), v) for k, v in now.items() if k != "trace" and earlier.get(k) != v}
+    defaults = {"start": 0}  # outputs written before the flag existed replayed from the first row
+    diff = {k: (earlier.get(k, defaults.get(k)), v) for k, v in now.items()
+            if k != "trace" and earlier.get(k, defaults.get(k)) != v}
     if diff:
         raise SystemExit(f"--measured-from: its slice differs from the flags (earlier, now): {diff}")
 
@@ -362,6 +366,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--start", type=int, default=0, help="first trace row of the slice")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--tokens-per-hash-id", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=0.3)
@@ -398,7 +403,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"profile": a.profile, "machine": cost.profile.get("machine"),
                            "slice": {"trace": str(a.trace), **{k: getattr(a, k) for k in (
-                               "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len",
+                               "start", "requests", "tokens_per_hash_id", "time_scale", "max_output_tokens", "context_len",
                                "spread_ticks")}},
                            "cores": a.cores, "configs": {}}
     overhead = None
