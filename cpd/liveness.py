@@ -140,12 +140,14 @@ class LivenessState:
         self.consecutive_failed_steps = probe.consecutive_failed_steps
         if 0 < self.policy.max_failed_steps <= probe.consecutive_failed_steps:
             return CONSECUTIVE_FAILED_STEPS
-        if self.policy.timeout_s <= 0:
-            return None
+        return self._timed_out(probe, self.ready_at_s) if self.policy.timeout_s > 0 else None
+
+    def _timed_out(self, probe: ProbeResult, ready_at_s: float) -> str | None:
+        """The timeout rule: the last failure's reason once every probe failed for ``timeout_s``."""
         if probe.healthy:
             self._reset()
             return None
-        if probe.at_s < self.ready_at_s + self.policy.startup_grace_s:
+        if probe.at_s < ready_at_s + self.policy.startup_grace_s:
             return None
         if self.failing_since_s is None:
             self.failing_since_s = probe.at_s
