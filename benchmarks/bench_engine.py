@@ -4,8 +4,11 @@ Prefill tokens/s at 128, 512, 2048 and 8192 tokens (one sequence) and 16 × 128 
 in one step), through :meth:`cpd.engine.engine.Engine.step` (scheduling, metadata, forward,
 sampling: the whole step) vs ``LlamaForCausalLM`` forward (sdpa attention, no cache).
 Decode ms per step (one token for each of B sequences) at 1 × 512, 1 × 2048, 8 × 512 and
-8 × 2048 context vs transformers with a static cache. Each repetition runs cpd then the
-reference back to back, so load on a shared machine hits both alike; medians are reported.
+8 × 2048 context vs transformers with a static cache. Each prefill repetition runs cpd then the
+reference back to back; for decode both sides hold their prefilled batch and their steps alternate
+one by one (the first step of each repetition dropped), so load on a shared machine hits both alike;
+medians are reported, and the ratio of each pair (``cpu_ratio_reps`` / ``cpu_ratio_steps``, and
+``cpu_ratio_range`` / ``ratio_range``: their min and max) gives the spread.
 ``ratio > 1`` means cpd is faster. ``--gather`` also times cpd with its contiguous
 per-sequence KV rows off (every step gathers each sequence's blocks from the pool, the
 path before :mod:`cpd.engine.seq_kv`), interleaved: ``cpd_gather_ms`` / ``chunked_gather_tok_s``.
@@ -62,6 +65,17 @@ def _med(laps: list[tuple[float, float]], cpu: bool = False) -> float:
     return statistics.median(x[1 if cpu else 0] for x in laps)
 
 
+def _spread(cpd_laps: list[tuple[float, float]], ref_laps: list[tuple[float, float]], unit: str) -> dict:
+    """The ratio (reference time / cpd time) of each pair of laps measured next to each other, wall and
+    CPU: ``ratio_<unit>`` / ``cpu_ratio_<unit>`` lists and their [min, max] (the spread of the medians)."""
+    out: dict = {}
+    for name, i in (("ratio", 0), ("cpu_ratio", 1)):
+        per = [h[i] / c[i] for c, h in zip(cpd_laps, ref_laps)]
+        out[f"{name}_{unit}"] = per
+        out[f"{name}_range"] = [min(per), max(per)] if per else None
+    return out
+
+
 def _prompts(seed: int, batch: int, n: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, vocab - 10, (batch, n), generator=g).tolist()
@@ -99,7 +113,8 @@ class CpdSide:
             e.step()
         return _since(t)
 
-    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    def decode_begin(self, prompts: list[list[int]], steps: int) -> None:
+        """Prefill ``prompts`` (untimed) so that :meth:`decode_one` can time ``steps`` decode steps."""
         e = self.engine
         e.reset_prefix_cache()
         for i, p in enumerate(prompts):
@@ -107,13 +122,20 @@ class CpdSide:
         e.step()  # all prefills (the token budget holds them)
         while any(r.num_computed < r.prompt_len for r in e._running) or e._waiting:
             e.step()
-        out = []
-        for _ in range(steps):
-            t = _now()
-            e.step()
-            out.append(_since(t))
-        while e.has_unfinished():
-            e.step()
+
+    def decode_one(self) -> tuple[float, float]:
+        t = _now()
+        self.engine.step()
+        return _since(t)
+
+    def decode_end(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
+        self.decode_begin(prompts, steps)
+        out = [self.decode_one() for _ in range(steps)]
+        self.decode_end()
         return out
 
 
@@ -132,23 +154,33 @@ class HfSide:
         return _since(t)
 
     @torch.inference_mode()
-    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    def decode_begin(self, prompts: list[list[int]], steps: int) -> None:
+        """Prefill ``prompts`` into a static cache (untimed) for :meth:`decode_one`."""
         from transformers import StaticCache
         ids = torch.tensor(prompts)
         B, C = ids.shape
-        cache = StaticCache(config=self.model.config, max_batch_size=B, max_cache_len=C + steps + 1,
-                            device="cpu", dtype=self.dtype)
-        pos = torch.arange(C)
-        logits = self.model(ids, past_key_values=cache, cache_position=pos, use_cache=True,
+        self._cache = StaticCache(config=self.model.config, max_batch_size=B, max_cache_len=C + steps + 1,
+                                  device="cpu", dtype=self.dtype)
+        logits = self.model(ids, past_key_values=self._cache, cache_position=torch.arange(C), use_cache=True,
                             logits_to_keep=1).logits
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        out = []
-        for s in range(steps):
-            t = _now()
-            logits = self.model(nxt, past_key_values=cache, cache_position=torch.tensor([C + s]),
-                                use_cache=True).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            out.append(_since(t))
+        self._nxt, self._pos = logits[:, -1].argmax(-1, keepdim=True), C
+
+    @torch.inference_mode()
+    def decode_one(self) -> tuple[float, float]:
+        t = _now()
+        logits = self.model(self._nxt, past_key_values=self._cache, cache_position=torch.tensor([self._pos]),
+                            use_cache=True).logits
+        self._nxt = logits[:, -1].argmax(-1, keepdim=True)
+        self._pos += 1
+        return _since(t)
+
+    def decode_end(self) -> None:
+        self._cache = self._nxt = None
+
+    def decode_step_s(self, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
+        self.decode_begin(prompts, steps)
+        out = [self.decode_one() for _ in range(steps)]
+        self.decode_end()
         return out
 
 
@@ -230,9 +262,12 @@ def main() -> None:
         ct, ht = b * n / _med(c_s), b * n / _med(h_s)
         cc, hc = b * n / _med(c_s, True), b * n / _med(h_s, True)
         res["prefill"][key] = {"cpd_tok_s": ct, "transformers_tok_s": ht, "ratio": ct / ht,
-                               "cpd_tok_per_cpu_s": cc, "transformers_tok_per_cpu_s": hc, "cpu_ratio": cc / hc}
+                               "cpd_tok_per_cpu_s": cc, "transformers_tok_per_cpu_s": hc, "cpu_ratio": cc / hc,
+                               **_spread(c_s, h_s, "reps")}
         print(f"prefill {key:>7}: cpd {ct:8.1f} tok/s  transformers {ht:8.1f} tok/s  ratio {ct / ht:.2f}"
-              f"  (per CPU second: {cc:8.1f} vs {hc:8.1f}, ratio {cc / hc:.2f})", flush=True)
+              f"  (per CPU second: {cc:8.1f} vs {hc:8.1f}, ratio {cc / hc:.2f} "
+              f"[{res['prefill'][key]['cpu_ratio_range'][0]:.2f}-{res['prefill'][key]['cpu_ratio_range'][1]:.2f}])",
+              flush=True)
     if a.chunked:
         n, chunk = (int(x) for x in a.chunked.split("/"))
         chunked = CpdSide(model_dir, dtype, max(n, 512), 1, chunk_tokens=chunk)
@@ -263,21 +298,35 @@ def main() -> None:
         c_s, h_s, l_s, g_s = [], [], [], []
         for r in range(a.reps):
             ps = _prompts(7000 + 1000 * r + n, b, n, cpd.vocab)
-            c_s += cpd.decode_step_s(ps, a.steps)[1:]
+            # both sides hold their prefilled batch; their decode steps alternate (who goes first
+            # alternates too), so each cpd step has a transformers step next to it in time
+            cpd.decode_begin(ps, a.steps)
+            hf.decode_begin(ps, a.steps)
+            for s in range(a.steps):
+                if s % 2:
+                    h, c = hf.decode_one(), cpd.decode_one()
+                else:
+                    c, h = cpd.decode_one(), hf.decode_one()
+                if s:  # the first step of each side is dropped (cpd fills its KV rows there)
+                    c_s.append(c)
+                    h_s.append(h)
+            cpd.decode_end()
+            hf.decode_end()
             if a.gather:
                 cpd.set_rows(False)
                 g_s += cpd.decode_step_s(ps, a.steps)[1:]
                 cpd.set_rows(True)
-            h_s += hf.decode_step_s(ps, a.steps)[1:]
             if lcpp is not None and b == 1:
                 l_s += lcpp.decode_step_s(ps[0], a.steps)[1:]
         key = f"{b}x{n}"
         cm, hm = _med(c_s) * 1e3, _med(h_s) * 1e3
         cc, hc = _med(c_s, True) * 1e3, _med(h_s, True) * 1e3
         res["decode"][key] = {"cpd_ms": cm, "transformers_ms": hm, "ratio": hm / cm,
-                              "cpd_cpu_ms": cc, "transformers_cpu_ms": hc, "cpu_ratio": hc / cc}
+                              "cpd_cpu_ms": cc, "transformers_cpu_ms": hc, "cpu_ratio": hc / cc,
+                              **_spread(c_s, h_s, "steps")}
         line = (f"decode {key:>7}: cpd {cm:7.1f} ms  transformers(static) {hm:7.1f} ms  ratio {hm / cm:.2f}"
-                f"  (CPU ms {cc:7.1f} vs {hc:7.1f}, ratio {hc / cc:.2f})")
+                f"  (CPU ms {cc:7.1f} vs {hc:7.1f}, ratio {hc / cc:.2f} [{min(hc_ / cc_ for (_, cc_), (_, hc_) in zip(c_s, h_s)):.2f}-"
+                f"{max(hc_ / cc_ for (_, cc_), (_, hc_) in zip(c_s, h_s)):.2f}])")
         if g_s:
             gm, gc = _med(g_s) * 1e3, _med(g_s, True) * 1e3
             res["decode"][key].update(cpd_gather_ms=gm, cpd_gather_cpu_ms=gc)
