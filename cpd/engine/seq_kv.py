@@ -27,7 +27,8 @@ Rules:
   than copying the prefix into it), which every warm request on a prefill worker would pay.
   :meth:`reset` releases it.
 * Capacity covers every token known of the row's sequences (a chunked prompt's later chunks
-  included) and grows geometrically (tokens ×2, rounded to whole blocks; rows as needed). When
+  included). A new storage is sized by the step's need (×2 along a dimension that grew,
+  tokens rounded to whole blocks; at most 4× the need), the kept rows moved into it. When
   the storage a step needs would exceed ``max_bytes`` the arena is released and the step
   returns None: the model then gathers from the pool as before (correct, slower).
   :attr:`nbytes` is the memory held now, :attr:`peak_bytes` the most ever held.
@@ -151,7 +152,15 @@ class SeqKVArena:
             st.blocks == list(s.blocks[:len(st.blocks)]) and len(st.blocks) == -(-s.num_computed // bs)
 
     def _ensure(self, need_rows: int, need_tokens: int, bs: int, kv: torch.Tensor) -> bool:
-        """Grow the storage to hold ``need_rows`` × ``need_tokens`` (False: over the cap)."""
+        """Make the storage hold ``need_rows`` × ``need_tokens`` (False: over the cap).
+
+        A new storage is sized by this step's need, never by the old storage's other
+        dimension: rows ×2 and tokens ×2 only along a dimension that grew (so a batch that
+        grows one sequence at a time reallocates O(log n) times), at most 4× the need, and
+        never more rows than needed when only the tokens grew. (Keeping the old row count
+        made one long prefill after a wide decode batch allocate and zero rows × tokens of
+        a past batch: 8-13 s of page faults in one step at 32 rows, SmolLM2.) The kept rows
+        move to rows ``0 .. k-1`` with their tokens; the others start zeroed."""
         L, two, _, _, H, D = kv.shape
         cap = self.max_bytes if self.max_bytes is not None else kv.numel() * kv.element_size()
         per_token = L * two * H * D * kv.element_size()
@@ -159,18 +168,20 @@ class SeqKVArena:
         r0, t0 = (old.shape[2], old.shape[4]) if old is not None else (0, 0)
         if need_rows <= r0 and need_tokens <= t0:
             return True
-        rows = max(need_rows, r0)
-        tokens = -(-need_tokens // bs) * bs
-        if need_tokens > t0:
-            grown = -(-max(need_tokens, 2 * t0) // bs) * bs
-            tokens = grown if rows * grown * per_token <= cap else tokens
-        else:
-            tokens = t0
-        if rows * tokens * per_token > cap:
+        exact = (need_rows, -(-need_tokens // bs) * bs)
+        grown = (max(need_rows, 2 * r0) if need_rows > r0 else need_rows,
+                 -(-max(need_tokens, 2 * t0) // bs) * bs if need_tokens > t0 else exact[1])
+        rows, tokens = next((shape for shape in (grown, exact) if shape[0] * shape[1] * per_token <= cap), (0, 0))
+        if not rows:
             return False
         buf = torch.zeros(L, two, rows, H, tokens, D, dtype=kv.dtype, device=kv.device)
-        if old is not None:
-            buf[:, :, :r0, :, :t0] = old
+        new_of = {old_row: new_row for new_row, old_row in enumerate(sorted(self._rows))}
+        for old_row, new_row in new_of.items():
+            n = self._rows[old_row].num_tokens
+            if old is not None and n:
+                buf[:, :, new_row, :, :n] = old[:, :, old_row, :, :n]
+        self._rows = {new_of[row]: st for row, st in self._rows.items()}
+        self._by_seq = {key: new_of[row] for key, row in self._by_seq.items()}
         self.buf = buf
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
         return True

@@ -265,6 +265,46 @@ def test_seq_kv_rows_give_the_gather_paths_tokens(tmp_path, dtype):
         ex.TorchExecutor.__init__ = orig  # type: ignore[method-assign]
 
 
+def test_seq_kv_storage_follows_the_step_need():
+    """A new storage is sized by the step that needs it (at most 4x its rows x tokens), not
+    by an earlier wider batch: one long row after 32 short ones must not allocate 32 long
+    rows (that zeroed GBs in one step, 8-13 s of one SmolLM2 prefill). Rows kept across the
+    reallocation keep their tokens (moved to the first rows); a batch growing one sequence
+    at a time reallocates O(log n) times."""
+    from types import SimpleNamespace as NS
+
+    from cpd.engine.seq_kv import SeqKVArena
+
+    L, blocks, bs, H, D = 2, 256, 4, 1, 2
+    kv = torch.arange(L * 2 * blocks * bs * H * D, dtype=torch.float32).view(L, 2, blocks, bs, H, D)
+    per_token = L * 2 * H * D * 4
+    ar = SeqKVArena(torch.float32, torch.device("cpu"))
+    wide = [NS(num_computed=3, num_new=1, blocks=[i], token_ids=list(range(8))) for i in range(32)]
+    assert ar.plan(wide, kv) is not None and ar.nbytes <= 4 * 32 * 4 * per_token
+    toks = list(range(100))
+    long_row = NS(num_computed=40, num_new=1, blocks=list(range(32, 43)), token_ids=toks)
+    step = ar.plan([long_row], kv)
+    assert step is not None and step.rows == [0]
+    assert ar.nbytes <= 4 * 1 * 100 * per_token < 32 * 100 * per_token
+    # a kept row survives a reallocation that grows the tokens, moved to row 0
+    other = NS(num_computed=5, num_new=1, blocks=[50, 51], token_ids=list(range(8)))
+    step = ar.plan([NS(num_computed=41, num_new=1, blocks=list(range(32, 43)), token_ids=toks), other], kv)
+    assert step is not None and ar.num_refills == 32 + 1 + 1  # the wide rows, long_row, other
+    longer = NS(num_computed=42, num_new=120, blocks=list(range(10, 50)), token_ids=toks + list(range(100)))
+    # long_row's list object changed: a refill; `other` continues: kept and moved
+    step = ar.plan([NS(num_computed=6, num_new=1, blocks=[50, 51], token_ids=other.token_ids), longer], kv)
+    assert step is not None and step.rows == [0, 1] and ar.num_refills == 35 and ar.buf.shape[4] >= 162
+    got = step.buf[:, :, step.rows[0], :, :6]
+    assert torch.equal(got, torch.cat([kv[:, :, 50], kv[:, :, 51, :2]], 2).transpose(2, 3))
+    ar.reset()
+    grows = 0
+    for n in range(1, 33):  # one more sequence per step
+        before = ar.buf
+        ar.plan([NS(num_computed=3, num_new=1, blocks=[i], token_ids=wide[i].token_ids) for i in range(n)], kv)
+        grows += ar.buf is not before
+    assert grows <= 7
+
+
 def test_seq_kv_row_validity_rules():
     """A row is reused only for the same token list object, the same length and the same
     blocks; a sequence absent from a step loses its row; no sequence that continues = no
