@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -133,3 +135,28 @@ def busy_worker(dep: Deployment, role: str, timeout_s: float = 20.0) -> str:
                 return wid
         time.sleep(0.02)
     raise AssertionError(f"no {role} worker got the request")
+
+
+def staggered_requests(send: Callable[[list[int]], list[int]], prompts: list[list[int]], stagger_s: float = 0.05,
+                       join_s: float = 180.0) -> dict[int, tuple[float, list[int] | str]]:
+    """Keep a worker busy: ``send(prompt)`` (returns the tokens) for every prompt at once, one thread
+    each, started ``stagger_s`` apart in order (long prompts first queue the short ones behind them).
+    Returns ``{index: (seconds, tokens or the error's text)}``; a request still running after
+    ``join_s`` is missing from it."""
+    results: dict[int, tuple[float, list[int] | str]] = {}
+
+    def run(i: int) -> None:
+        t0 = time.monotonic()
+        try:
+            tokens: list[int] | str = send(prompts[i])
+        except Exception as e:  # the test compares: an error is a wrong answer, with its text
+            tokens = str(e)
+        results[i] = (time.monotonic() - t0, tokens)
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger_s)
+    deadline = time.monotonic() + join_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return results

@@ -18,7 +18,7 @@ import uvicorn
 
 from cpd.config import FLAGS, Config, ConfigError, argparse_overrides, add_argparse_flags, build_config, parse_assignments
 
-from cpd.worker.runtime import EngineRunner
+from cpd.worker.runtime import EngineRunner, StepHealth
 from cpd.worker.server import WorkerState, build_app, worker_info
 
 log = logging.getLogger("cpd.worker")
@@ -123,7 +123,8 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
         sender = HandoffSender(arena_bytes=cfg.handoff.arena_bytes, bind_host=me.host,
                                advertise_host=me.advertise_host or None,
                                reclaim_after_s=cfg.handoff.reclaim_after_s, secret=cfg.auth.secret())
-    runner = EngineRunner(engine, publisher, max_step_s=e.max_step_s)
+    runner = EngineRunner(engine, publisher, StepHealth(retry_after_s=e.failed_steps_retry_after_s),
+                          max_step_s=e.max_step_s)
     return WorkerState(me.role, me.worker_id, engine, runner, sender, receiver, publisher, connector)
 
 

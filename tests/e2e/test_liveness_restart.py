@@ -10,6 +10,18 @@ Kubernetes liveness probe restarts a pod (real router, real modeled worker proce
 * no false positive: a worker busy for several times ``MAX_STEP_S + LIVENESS_S`` with long queued
   prefills (every step short, so it answers 200) is never restarted, and every request is exact.
 
+* one bad request (``CPD_FAULT_STEP_ERROR_SEED``: the step that schedules it fails) fails alone and
+  never gets its worker restarted (the failed-steps count goes back to 0 with the next good step);
+* a worker whose engine breaks for good (``CPD_FAULT_BREAK_SEED``: every step from the trigger on
+  fails) flips back to 200 after the worker's ``RETRY_AFTER_S`` (< ``LIVENESS_S``) each time, so the
+  timeout never fires; it is restarted once it reports ``MAX_FAILED_STEPS`` consecutive failed steps (reason
+  ``consecutive_failed_steps``), within ``FAILED_STEPS_KILL_BOUND_S`` of the break while clients keep
+  sending, and serves exact tokens after;
+* a SIGSTOPped router is killed within ``STOP_KILL_BOUND_S`` and restarted on its port; the new
+  router rebuilds its view at start-up (workers from its config, L1/L2 from each worker's
+  ``/kv_snapshot``, L3 from a store listing): its prefix index holds what the old one held, a prompt
+  served before the fault is routed warm with the same reuse ratio and gets the same tokens.
+
 Each test ends with every block pool back to empty (the restarted worker's is new; the others' must
 have freed everything) and the restart counted with its reason in ``/cpd/processes`` and
 ``/metrics``. The order matters: the no-false-positive test runs first, on a deployment without
@@ -31,22 +43,33 @@ from cpd.engine.engine import Engine, SamplingParams
 from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.messages.sampling import SamplingParams as WireSampling
 from cpd.messages.worker_api import PrefillRequest, encode
-from deploy_util import assert_no_leaks, random_prompt, start
+from deploy_util import assert_no_leaks, random_prompt, routing_record, staggered_requests, start, wait_all_healthy
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 DILATION = 20.0  # a 512-token modeled prefill step lasts ~0.2 s, a decode step ~0.1 s
 MAX_STEP_S = 2.0  # ten times a normal step here
 LIVENESS_S, PROBE_INTERVAL_S, PROBE_TIMEOUT_S = 3.0, 0.5, 1.0
 HANG_SEED, HANG_S = 4343, 600.0  # the hang outlasts the test: only the restart ends it
+STEP_ERROR_SEED, BREAK_SEED = 4545, 4646  # one failed step; an engine broken for good
+MAX_FAILED_STEPS = 3  # deployment.liveness_max_failed_steps
+# a worker whose steps failed reports 200 again after this (engine.failed_steps_retry_after_s): shorter
+# than LIVENESS_S, so that only the failed-steps limit can restart it (with the default 5 s, 503 outlasted
+# the short timeout of this test and the timeout rule restarted the worker first)
+RETRY_AFTER_S = 0.5
+ROUTER_POLL_S = 0.5  # the router polls each worker's /load this often (WorkerSet's default)
 SLACK_S = 6.0  # a loaded 2-core machine
 STUCK_KILL_BOUND_S = MAX_STEP_S + LIVENESS_S + PROBE_INTERVAL_S + PROBE_TIMEOUT_S + SLACK_S
 STOP_KILL_BOUND_S = LIVENESS_S + PROBE_INTERVAL_S + 2 * PROBE_TIMEOUT_S + SLACK_S
+# two retry windows at most: failures 1-2 before the first 503, the last after it flips back
+FAILED_STEPS_KILL_BOUND_S = 2 * (RETRY_AFTER_S + ROUTER_POLL_S) + PROBE_INTERVAL_S + PROBE_TIMEOUT_S + SLACK_S
 READY_BOUND_S = 90.0  # a killed worker serves again within this (backoff + start, loaded machine)
 SETTINGS = {"engine.executor": "modeled", "engine.hardware": GPU, "engine.model_shape": SHAPE, "engine.tp": 1,
             "engine.time_dilation": DILATION, "engine.num_blocks": 4096, "engine.max_prefill_chunk_tokens": 512,
             "handoff.arena_bytes": 16 << 20, "engine.max_step_s": MAX_STEP_S,
             "deployment.liveness_timeout_s": LIVENESS_S, "deployment.liveness_probe_interval_s": PROBE_INTERVAL_S,
-            "deployment.liveness_probe_timeout_s": PROBE_TIMEOUT_S, "deployment.liveness_startup_grace_s": 1.0}
+            "deployment.liveness_probe_timeout_s": PROBE_TIMEOUT_S, "deployment.liveness_startup_grace_s": 1.0,
+            "deployment.liveness_max_failed_steps": MAX_FAILED_STEPS,
+            "engine.failed_steps_retry_after_s": RETRY_AFTER_S}
 JSON = {"content-type": "application/json"}
 
 
@@ -54,7 +77,8 @@ JSON = {"content-type": "application/json"}
 def dep(tiny_model_dir):
     d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1, supervise=True, restart_backoff_s=0.5,
               settings=SETTINGS,
-              extra_env={"CPD_FAULT_STEP_HANG_SEED": str(HANG_SEED), "CPD_FAULT_STEP_HANG_S": str(HANG_S)})
+              extra_env={"CPD_FAULT_STEP_HANG_SEED": str(HANG_SEED), "CPD_FAULT_STEP_HANG_S": str(HANG_S),
+                         "CPD_FAULT_STEP_ERROR_SEED": str(STEP_ERROR_SEED), "CPD_FAULT_BREAK_SEED": str(BREAK_SEED)})
     yield d
     d.stop()
 
@@ -72,11 +96,15 @@ def _oracle(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
     return eng.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def _complete(dep, prompt: list[int], max_tokens: int) -> list[int]:
-    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    resp = client.completions.create(model=dep.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+def _create(dep, prompt: list[int], max_tokens: int, timeout_s: float = 120, **sampling):
+    client = openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    return client.completions.create(model=dep.model_name, prompt=prompt, max_tokens=max_tokens,
+                                     **{"temperature": 0, **sampling},
                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-    return resp.choices[0].token_ids
+
+
+def _complete(dep, prompt: list[int], max_tokens: int) -> list[int]:
+    return _create(dep, prompt, max_tokens).choices[0].token_ids
 
 
 def _serves_exact(dep, tiny_model_dir, seeds: range) -> None:
@@ -140,21 +168,8 @@ def test_busy_worker_is_not_restarted(dep, tiny_model_dir):
     is short, so /health answers 200 throughout: nothing is restarted, every request is exact."""
     pids, restarts = dep.pids(), _restarts(dep)
     prompts = [random_prompt(2040 + i, 6144 if i < 5 else 100) for i in range(8)]
-    results: dict[int, tuple[float, list[int] | str]] = {}
-
-    def run(i):
-        t0 = time.monotonic()
-        try:
-            tokens: list[int] | str = _complete(dep, prompts[i], 4)
-        except openai.APIError as e:
-            tokens = str(e)
-        results[i] = (time.monotonic() - t0, tokens)
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(8)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)  # in order: the long ones first
-    for t in threads:
-        t.join(180)
+    results = staggered_requests(lambda p: _complete(dep, p, 4), prompts, join_s=180)
+    assert len(results) == len(prompts), results
     print({i: round(s, 2) for i, (s, _) in sorted(results.items())})
     for i, (_, tokens) in results.items():
         assert tokens == _oracle(tiny_model_dir, prompts[i], 4), (i, tokens)
@@ -191,3 +206,98 @@ def test_stopped_worker_is_restarted_and_serves_again(dep, tiny_model_dir):
     st = dep.supervisor_status()["processes"]
     assert st["d0"]["restarts"] == restarts["d0"] + 1 and st["d0"]["last_restart_reason"] == "liveness: no_answer"
     assert _liveness_metric(dep, "d0", "no_answer") == 1.0
+
+
+def _worker_health(dep, worker_id: str) -> dict:
+    return httpx.get(f"{_url(dep, worker_id)}/health", timeout=5).json()
+
+
+def _seeded_request_fails(dep, seed: int, prompt_seed: int) -> None:
+    """A client request with a fault seed (sampled, so that the seed is the request's): it fails."""
+    with pytest.raises(openai.APIError):
+        _create(dep, random_prompt(prompt_seed, 64), 4, timeout_s=30, temperature=0.5, seed=seed)
+
+
+def test_one_bad_request_fails_alone_and_never_restarts_its_worker(dep, tiny_model_dir):
+    pids, restarts = dep.pids(), _restarts(dep)
+    failed_before = _worker_health(dep, "p0")["num_failed_steps"]
+    _seeded_request_fails(dep, STEP_ERROR_SEED, 2300)
+    h = _worker_health(dep, "p0")
+    assert h["num_failed_steps"] > failed_before, h  # the fault did fire, on p0
+    assert 0 < h["consecutive_failed_steps"] < MAX_FAILED_STEPS, h
+    time.sleep(4 * PROBE_INTERVAL_S + PROBE_TIMEOUT_S)  # probes see the count
+    wait_all_healthy(dep, RETRY_AFTER_S + SLACK_S)  # routable (a count of 2 would say 503 for a while)
+    _serves_exact(dep, tiny_model_dir, range(2310, 2312))
+    assert _worker_health(dep, "p0")["consecutive_failed_steps"] == 0  # the next good step reset it
+    time.sleep(2 * PROBE_INTERVAL_S)
+    assert dep.pids() == pids and _restarts(dep) == restarts, dep.supervisor_status()
+    assert not dep.supervisor_status()["processes"]["p0"]["liveness_restarts"].get("consecutive_failed_steps")
+
+
+def test_worker_whose_steps_keep_failing_is_restarted_and_serves_exact_tokens(dep, tiny_model_dir):
+    """Clients keep sending while p0's engine is broken: the router routes around it while it says
+    503 and back to it when it says 200 again (after RETRY_AFTER_S), each time failing one more step,
+    until the supervisor sees ``MAX_FAILED_STEPS`` and restarts it."""
+    old_pid, restarts = dep.pids()["p0"], _restarts(dep)
+    t_break = time.monotonic()
+    _seeded_request_fails(dep, BREAK_SEED, 2400)
+    outcomes: list[str] = []
+    while dep.pids()["p0"] == old_pid and time.monotonic() - t_break < FAILED_STEPS_KILL_BOUND_S:
+        try:
+            _create(dep, random_prompt(2410 + len(outcomes), 64), 4, timeout_s=10)
+            outcomes.append("ok")
+        except openai.APIError as e:
+            outcomes.append(f"{getattr(e, 'status_code', '')}")
+        time.sleep(0.2)
+    killed_s = time.monotonic() - t_break
+    print(f"p0 restarted {killed_s:.2f} s after its engine broke (bound {FAILED_STEPS_KILL_BOUND_S:g} s); "
+          f"client answers meanwhile: {outcomes}")
+    assert dep.pids()["p0"] != old_pid, (outcomes, dep.supervisor_status())
+    assert "ok" not in outcomes  # pd 1+1: nothing served while the only prefill worker was broken
+    dep.wait_ready(READY_BOUND_S)
+    _serves_exact(dep, tiny_model_dir, range(2450, 2453))  # through the restarted p0
+    st = dep.supervisor_status()["processes"]
+    assert st["p0"]["restarts"] == restarts["p0"] + 1, st["p0"]
+    assert st["p0"]["last_restart_reason"] == "liveness: consecutive_failed_steps", st["p0"]
+    assert st["p0"]["liveness_restarts"].get("consecutive_failed_steps") == 1, st["p0"]
+    assert {k: v for k, v in _restarts(dep).items() if k != "p0"} == {k: v for k, v in restarts.items() if k != "p0"}
+    assert _liveness_metric(dep, "p0", "consecutive_failed_steps") == 1.0
+
+
+def _index_sizes(dep) -> dict:
+    return {k: v for k, v in httpx.get(f"{dep.url}/cpd/index", timeout=5).json().items() if k in ("L1", "L2", "L3")}
+
+
+def _routed(dep, prompt: list[int]) -> tuple[list[int], dict]:
+    """Greedy tokens of ``prompt`` through the router, and its routing record there."""
+    r = _create(dep, prompt, 8)
+    return r.choices[0].token_ids, routing_record(dep, r.id)
+
+
+def test_stopped_router_is_restarted_and_rebuilds_its_view(dep, tiny_model_dir):
+    prompt = random_prompt(2500, 300)
+    cold_tokens, _ = _routed(dep, prompt)  # served before the fault ...
+    warm_tokens, warm = _routed(dep, prompt)  # ... and warm: the live index knows its blocks
+    assert cold_tokens == warm_tokens == _oracle(tiny_model_dir, prompt, 8)
+    assert warm["reuse_ratio"] > 0, warm
+    time.sleep(1.0)  # the last KV events reach the router
+    sizes = _index_sizes(dep)
+    assert sizes["L1"] > 0, sizes
+    old_pid, restarts = dep.pids()["router"], _restarts(dep)
+    dep.children["router"].proc.send_signal(signal.SIGSTOP)
+    killed_s = _wait_killed(dep, "router", old_pid, STOP_KILL_BOUND_S)
+    print(f"router killed and respawned {killed_s:.2f} s after SIGSTOP (bound {STOP_KILL_BOUND_S:g} s)")
+    assert killed_s >= LIVENESS_S - 0.5
+    dep.wait_ready(READY_BOUND_S)
+    # the new router's view, rebuilt from the workers' snapshots and the store (it saw no event)
+    assert _index_sizes(dep) == sizes, (_index_sizes(dep), sizes)
+    after_tokens, after = _routed(dep, prompt)
+    assert after_tokens == cold_tokens, (after_tokens, cold_tokens)
+    assert after["reuse_ratio"] == warm["reuse_ratio"] and after["class"] == warm["class"], (after, warm)
+    _serves_exact(dep, tiny_model_dir, range(2510, 2512))
+    st = dep.supervisor_status()["processes"]
+    assert st["router"]["restarts"] == restarts["router"] + 1, st["router"]
+    assert st["router"]["last_restart_reason"] == "liveness: no_answer", st["router"]
+    assert {k: v for k, v in _restarts(dep).items() if k != "router"} == {
+        k: v for k, v in restarts.items() if k != "router"}
+    assert _liveness_metric(dep, "router", "no_answer") == 1.0

@@ -34,8 +34,8 @@ from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.messages.sampling import SamplingParams as WireSampling
 from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, ErrorBody, PrefillRequest,
                                      PrefillResponse, decode_body, encode)
-from deploy_util import (assert_no_leaks, busy_worker, random_prompt, router_workers, start, wait_all_healthy,
-                         wait_pools_idle)
+from deploy_util import (assert_no_leaks, busy_worker, random_prompt, router_workers, staggered_requests, start,
+                         wait_all_healthy, wait_pools_idle)
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 DILATION = 20.0  # a 512-token modeled prefill step lasts ~0.2 s, a decode step ~0.1 s
@@ -232,22 +232,13 @@ def test_requests_queued_behind_long_prefills_are_not_failed(dep, tiny_model_dir
     (long prefills ahead of them), every step stays short, so nothing is stuck: all succeed
     with their exact tokens and every worker stays healthy."""
     prompts = [random_prompt(1040 + i, 6144 if i < 4 else 100) for i in range(8)]
-    results: dict[int, tuple[float, list[int] | str]] = {}
 
-    def run(i):
-        t0 = time.monotonic()
-        try:
-            r = _client(dep).completions.create(model=dep.model_name, prompt=prompts[i], max_tokens=4, temperature=0,
-                                                extra_body={"ignore_eos": True, "return_token_ids": True})
-            results[i] = (time.monotonic() - t0, r.choices[0].token_ids)
-        except openai.APIError as e:
-            results[i] = (time.monotonic() - t0, str(e))
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(8)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)  # in order: the long ones first
-    for t in threads:
-        t.join(120)
+    def send(prompt: list[int]) -> list[int]:
+        r = _client(dep).completions.create(model=dep.model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+        return r.choices[0].token_ids
+    results = staggered_requests(send, prompts, join_s=120)
+    assert len(results) == len(prompts), results
     unhealthy = {w: v for w, v in router_workers(dep).items() if not v["healthy"]}
     print({i: round(s, 2) for i, (s, _) in sorted(results.items())})
     for i, (_, tokens) in results.items():
