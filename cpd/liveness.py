@@ -17,8 +17,9 @@ within ``probe_timeout_s`` counts as failed, reason ``no_answer``) and feeds the
 
 Failing engine steps (``max_failed_steps``): a worker whose engine steps keep failing (a broken
 device, a corrupted executor) answers 503 only while its latest failure is younger than the
-worker's ``retry_after_s`` (``engine.failed_steps_retry_after_s``), then 200 again so that the router tries it once more
-(:class:`cpd.worker.runtime.StepHealth`): the probes alternate, and the timeout above never fires.
+worker's ``retry_after_s`` (``engine.failed_steps_retry_after_s``), then 200 again so that the
+router tries it once more (:class:`cpd.worker.runtime.StepHealth`): the probes alternate, and the
+timeout above never fires.
 Its ``/health`` body, 200 or 503, carries ``consecutive_failed_steps`` (failed steps since the last
 good one), so the policy also restarts a worker once that count reaches ``max_failed_steps``
 (reason ``consecutive_failed_steps``; 0 turns this off). One bad request fails the one step that

@@ -70,7 +70,8 @@ class RouterMetrics:
         """Export the deployment supervisor's status file (:mod:`cpd.supervise`) at each scrape:
         ``cpd_process_restarts_total{process,role}``, ``cpd_process_up{process,role}`` and
         ``cpd_process_liveness_restarts_total{process,role,reason}`` (restarts the liveness probe
-        forced: ``engine_stuck``, ``no_answer``, ... ; :mod:`cpd.liveness`)."""
+        forced: ``engine_stuck``, ``no_answer`` (a worker, or ``process="router"``),
+        ``consecutive_failed_steps``, ... ; :mod:`cpd.liveness`)."""
         self.registry.register(SupervisorCollector(status_path))
 
 
