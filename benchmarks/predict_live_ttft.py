@@ -362,7 +362,7 @@ def check_same_slice(earlier: dict[str, Any], now: dict[str, Any]) -> None:
         raise SystemExit(f"--measured-from: its slice differs from the flags (earlier, now): {diff}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -392,7 +392,11 @@ def main() -> None:
                     help="predict again for the live runs of an earlier --live output (its slice options must "
                          "match the flags given) instead of running live")
     ap.add_argument("--out", type=Path, required=True)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     cost = CalibratedCostModel.load(a.profile)
     if a.probe:
         a.out.parent.mkdir(parents=True, exist_ok=True)

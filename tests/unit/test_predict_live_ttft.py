@@ -2,7 +2,6 @@
 prediction on a real trace slice with shared cores and the per-request overhead."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
 
@@ -49,8 +48,8 @@ def test_measured_from_must_replay_the_same_slice(plt):
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not beside the checkout")
 def test_overhead_and_shared_cores_only_lengthen_the_prediction(plt):
-    a = argparse.Namespace(trace=TRACE, requests=30, tokens_per_hash_id=16, time_scale=0.1, max_output_tokens=4,
-                           context_len=8192, spread_ticks=True, kv_event_delay_s=0.02, cores=0)
+    a = plt.build_parser().parse_args(["--profile", str(PROFILE), "--trace", str(TRACE), "--requests", "30",
+                                       "--time-scale", "0.1", "--spread-ticks", "--out", "unused.json"])
     cost = CalibratedCostModel.load(PROFILE)
     plain = plt.predict(cost, "cpd:1:1:1", a)
     a.cores = 1
