@@ -175,6 +175,9 @@ class RouterSection(Section):
     decode_affinity_margin: int = Field(2, description="decode choice: a decode worker holding at least half "
                                                        "the prompt more in L1 wins if it ends at most this many "
                                                        "assigned requests above the least-loaded one (< 0 = off)")
+    waste_weight: float = Field(1.0, ge=0, description="choice within a pool: weight of a worker's extra work "
+                                                       "(the prefix it would recompute) added to its predicted "
+                                                       "TTFT (0 = the smallest TTFT)")
     prefill_cost_fit: bool = Field(False, description="price prefills by a fitted overhead + per-token + "
                                                       "attention model (cpd.router.estimates) instead of one "
                                                       "measured rate")
@@ -336,6 +339,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("router.raw_wait_max_s", ("--raw-wait-max",), router=True),
     Flag("router.prefill_cost_fit", ("--prefill-cost-fit",), router=True),
     Flag("router.decode_affinity_margin", ("--decode-affinity-margin",), router=True),
+    Flag("router.waste_weight", ("--waste-weight",), router=True),
     Flag("router.elastic", ("--elastic",), router=True),
     Flag("deployment.topology", ("--topology",), router=True),
     Flag("deployment.num_pre_prefill", ("--pre-prefill",)),
@@ -380,7 +384,7 @@ def routing_config(cfg: Config, block_size: int | None = None) -> RoutingConfig:
                          ttft_slo_s=r.ttft_slo_s, tpot_slo_s=r.tpot_slo_s, heavy_uncached_s=r.heavy_uncached_s,
                          spill_margin=r.spill_margin, admission_factor=r.admission_factor,
                          decode_append_max_tokens=r.decode_append_max_tokens, raw_wait_max_s=r.raw_wait_max_s,
-                         decode_affinity_margin=r.decode_affinity_margin)
+                         decode_affinity_margin=r.decode_affinity_margin, waste_weight=r.waste_weight)
 
 
 def field_info(key: str) -> tuple[Any, str]:

@@ -20,11 +20,19 @@ Static mode (``RoutingMode.STATIC``, the published CPD rule):
    ``cold`` if below ``cold_threshold`` (default 0.5), else ``warm``.
 4. ``cpd`` topology: cold → pre-prefill pool, warm → prefill pool (isolation).
    ``pd`` topology: everything → prefill pool. An empty pool falls back to the other.
-5. Within the pool, pick the worker with the smallest estimated TTFT:
-   queued prefill time (the sum of per-request estimates when the caller tracks it) + load
-   time + compute time of the uncached suffix
-   (ties: fewer running requests, then worker id). This mirrors Dynamo's KV router
-   cost (overlap credit vs load) expressed in seconds.
+5. Within the pool, pick the worker with the smallest *score*: the estimated TTFT (queued
+   prefill time, the sum of per-request estimates when the caller tracks it, + load time +
+   compute time of the uncached suffix) plus ``waste_weight`` times the request's *extra work*
+   there, its own work minus the smallest own work of any candidate (ties: fewer running
+   requests, then worker id). This mirrors Dynamo's KV router cost (overlap credit vs load)
+   expressed in seconds. The extra work is the prefix a worker recomputes because it does not
+   hold it: it delays this request once (in its TTFT) and everything queued after it there
+   again, so choosing on TTFT alone moves a session's turn off its prefix holder for a gain
+   smaller than the capacity it wastes. Each move leaves the session's prefix split over two
+   workers, so its next turns move too (``pd`` on the modeled-ordering workload near its knee:
+   19 turns moved, +20.6 % computed prompt tokens, goodput 0.63 live vs the simulator's 0.91;
+   docs/results/modeled_ordering). With ``waste_weight`` 1 a holder loses a turn only when its
+   queue is longer by more than twice the extra work.
 6. Decode worker: fewest requests *assigned* to it (``running_requests + pending_handoffs``: the
    ones decoding there and the ones routed there whose prefill or KV handoff is still under way),
    then lowest KV use, then id. Every handoff stalls its decode worker's running batch while the
@@ -57,7 +65,9 @@ A1. Every healthy prefill-side worker of *both* pools is a candidate. Its load p
     saturated spreads to workers that load it) gives ``own_s`` = loads + compute of the uncached
     suffix; ``wait_s`` = its queued work (``queued_prefill_s``, else the queued tokens priced as one
     sequence); ``ttft_s = wait_s + own_s``; ``delay_to_others_s = own_s`` (FCFS: what runs after it
-    there waits that much longer). Ties: fewer running requests, then worker id.
+    there waits that much longer). Within a pool the smallest ``score`` wins: ``ttft_s`` + the
+    extra-work term of rule 5 (ties: fewer running requests, then worker id); pools are compared
+    on the chosen workers' ``ttft_s`` (A3, A4).
 A2. Class by remaining work: *heavy* (``cold``) when the smallest ``own_s`` exceeds
     ``heavy_uncached_s`` (default ``HEAVY_SLO_SHARE * ttft_slo_s`` = a quarter of the SLO), else
     *short* (``warm``). The bound is set by what a request does to the short work queued behind
@@ -223,6 +233,8 @@ class RoutingConfig:
         decode_affinity_margin: rule 6: the most assigned requests by which a decode worker holding
             the prompt's prefix in L1 may exceed the least-loaded one after taking the request
             (< 0 -> no prefix affinity: the least-loaded worker always).
+        waste_weight: rule 5 / A1: weight of a candidate's extra work (own work above the cheapest
+            candidate's) added to its TTFT when choosing within a pool (0 -> smallest TTFT).
     """
 
     topology: Topology = Topology.CPD
@@ -238,6 +250,7 @@ class RoutingConfig:
     decode_append_max_tokens: int = 0
     raw_wait_max_s: float = 0.0
     decode_affinity_margin: int = 2
+    waste_weight: float = 1.0
 
     def resolved_write_through(self) -> WriteThrough:
         """``write_through`` with the default filled in: ``pd`` → none; ``cpd`` static → cold (the
@@ -490,17 +503,19 @@ def _route_static(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[Wo
     if not pool:
         fallback_from = want
         pool = list(prefill_side)
+    own = {w.worker_id: work_s(plans[w.worker_id][0], num_prompt_tokens, cfg, cost) for w in prefill_side}
+    least_own = min(own.values())
     scored = []
     for w in pool:
-        plan = plans[w.worker_id][0]
-        wait, own = _queue_s(w, cost), work_s(plan, num_prompt_tokens, cfg, cost)
-        scored.append((wait + own, w.running_requests, w.worker_id, plan, w.role, wait, own))
-    t, _, wid, plan, role, _, _ = min(scored)
+        wait, t = _queue_s(w, cost), _queue_s(w, cost) + own[w.worker_id]
+        score = t + cfg.waste_weight * (own[w.worker_id] - least_own)
+        scored.append((score, w.running_requests, w.worker_id, Role(w.role), wait, t))
+    _, _, wid, role, _, t = min(scored)
     wt = cfg.resolved_write_through()
     write = wt == WriteThrough.ALL or (wt == WriteThrough.COLD and cls == RequestClass.COLD)
-    cands = tuple(CandidateEstimate(w_id, Role(r), wait, own, ts, score=ts)
-                  for ts, _, w_id, _, r, wait, own in scored)
-    return RouteDecision(cls, Role(role), wid, pick_decode(loads, match, num_prompt_tokens, cfg), plan, reuse, t,
+    cands = tuple(CandidateEstimate(w_id, r, wait, own[w_id], ts, score=score)
+                  for score, _, w_id, r, wait, ts in scored)
+    return RouteDecision(cls, role, wid, pick_decode(loads, match, num_prompt_tokens, cfg), plans[wid][0], reuse, t,
                          recompute=plans[wid][1], fallback_from=fallback_from, write_through=write,
                          reason=DecisionReason.FALLBACK if fallback_from is not None else DecisionReason.STATIC,
                          candidates=cands)
@@ -580,9 +595,17 @@ def _candidate(w: WorkerLoad, match: PrefixMatch, num_prompt_tokens: int, cfg: R
     return _Candidate(w, plan, recompute, est)
 
 
+def _scored(cands: Sequence[_Candidate], cfg: RoutingConfig) -> list[_Candidate]:
+    """``cands`` with ``score`` = ``ttft_s`` + ``waste_weight`` x (``own_s`` - the least ``own_s``)
+    (rule 5's extra-work term)."""
+    least_own = min((c.est.own_s for c in cands), default=0.0)
+    return [dataclasses.replace(c, est=dataclasses.replace(
+        c.est, score=c.est.ttft_s + cfg.waste_weight * (c.est.own_s - least_own))) for c in cands]
+
+
 def _best(cands: Sequence[_Candidate]) -> _Candidate:
-    """Smallest predicted TTFT (ties: fewer running requests, then worker id)."""
-    return min(cands, key=lambda c: (c.est.ttft_s, c.load.running_requests, c.load.worker_id))
+    """Smallest score (ties: fewer running requests, then worker id)."""
+    return min(cands, key=lambda c: (c.est.score, c.load.running_requests, c.load.worker_id))
 
 
 def heavy_uncached_s(cfg: RoutingConfig) -> float:
@@ -688,7 +711,7 @@ def _admit(cands: Sequence[CandidateEstimate], cfg: RoutingConfig) -> None:
 def _adaptive_decision(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[WorkerLoad],
                        prefill_side: Sequence[WorkerLoad], cfg: RoutingConfig, cost: CostModel) -> RouteDecision:
     """Rules A1-A4, A7-A8 for one prefix match (no read-after-write, no admission)."""
-    cands = [_candidate(w, match, num_prompt_tokens, cfg, cost) for w in prefill_side]
+    cands = _scored([_candidate(w, match, num_prompt_tokens, cfg, cost) for w in prefill_side], cfg)
     heavy = min(c.est.own_s for c in cands) > heavy_uncached_s(cfg)
     win, reason, fallback_from = _choose_prefill_side(cands, heavy, cfg)
     appends = _decode_append_candidates(num_prompt_tokens, match, loads, cfg, cost)

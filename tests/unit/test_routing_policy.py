@@ -89,7 +89,7 @@ def test_queue_priced_by_per_request_estimates_when_known():
     """With an attention term, pricing three queued 60K prefills as one 180K sequence overstates
     the queue; a caller that tracks per-request estimates passes their sum instead."""
     attn = LinearCostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1e5, attn_coeff=1e-5)
-    cfg = RoutingConfig(topology="pd", block_size=BS)
+    cfg = RoutingConfig(topology="pd", block_size=BS, waste_weight=0.0)  # TTFT alone decides here
     per_request = 3 * attn.prefill_time_s(60_000, 0)
     assert attn.prefill_time_s(180_000, 0) > per_request
     match = PrefixMatch(l1={"p0": 146_000 // BS})  # p0 holds 146K of the 150K prompt
@@ -193,3 +193,30 @@ def test_write_through_defaults_follow_topology_and_mode():
     assert RoutingConfig(topology="cpd", mode=RoutingMode.ADAPTIVE).resolved_write_through() == WriteThrough.ALL
     explicit = RoutingConfig(topology="cpd", mode=RoutingMode.ADAPTIVE, write_through=WriteThrough.COLD)
     assert explicit.resolved_write_through() == WriteThrough.COLD
+
+
+@pytest.mark.parametrize("mode", ["static", "adaptive"])
+def test_prefix_holder_keeps_a_turn_until_its_extra_queue_exceeds_twice_the_waste(mode):
+    """Rule 5 / A1: a worker that would recompute the prefix pays its extra work twice (this
+    request's TTFT and everyone's queued after it there). p1 holds 2,560 of 3,200 tokens (own
+    0.64 s), p0 nothing (own 3.2 s, 2.56 s extra): with p1's queue 4 s longer the holder keeps the
+    turn (TTFT alone would move it, 3.2 < 4.64 s, and split the session's prefix over two workers);
+    6 s longer and it moves (5.76 < 6.64 s)."""
+    topology = "pd" if mode == "static" else "cpd"
+    match = PrefixMatch(l1={"p1": 2560 // BS})
+
+    def chosen(extra_queue_s: float, **kw) -> str:
+        cfg = RoutingConfig(topology=topology, block_size=BS, mode=mode, ttft_slo_s=10.0, **kw)
+        loads = [WorkerLoad("pp0", "pre-prefill", queued_prefill_s=100.0),
+                 WorkerLoad("p0", "prefill", queued_prefill_s=1.0),
+                 WorkerLoad("p1", "prefill", queued_prefill_s=1.0 + extra_queue_s), WorkerLoad("d0", "decode")]
+        d = route(3200, match, loads, cfg, COST)
+        est = {c.worker_id: c for c in d.candidates}
+        assert est["p0"].score - est["p0"].ttft_s == pytest.approx(cfg.waste_weight * 2.56)
+        assert est["p1"].score == est["p1"].ttft_s  # the cheapest candidate wastes nothing
+        return d.prefill_worker
+
+    assert chosen(4.0) == "p1"
+    assert chosen(6.0) == "p0"
+    assert chosen(4.0, waste_weight=0.0) == "p0"
+    assert chosen(2.0, waste_weight=0.0) == "p1"
