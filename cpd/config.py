@@ -203,6 +203,11 @@ class RouterSection(Section):
                                                             "context); written by the launcher")
     supervisor_status: str = Field("", description="the launcher's supervisor status file (served at "
                                                    "/cpd/processes); empty = none")
+    background_stall_timeout_s: float = Field(
+        60.0, gt=0, description="the router answers /health 503 background_stalled when one of its background "
+                                "tasks (KV-event subscriber, worker poller, maintenance, elastic planner) died or "
+                                "completed no iteration for this long (s; at least 3 planner intervals); cpd serve "
+                                "then restarts it (cpd.router.background)")
 
     def decode_slots(self, max_num_seqs: int) -> int:
         """Requests per decode worker (``max_decode_per_worker``, 0 = twice ``max_num_seqs``)."""

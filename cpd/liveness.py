@@ -30,7 +30,11 @@ same bad request, sent again ``max_failed_steps`` times with nothing else in bet
 
 Answering at all (:func:`classify_answer`, the router): a process whose ``/health`` status is about
 others (the router says 503 ``degraded`` while no worker is usable) is alive while it answers
-anything; only ``timeout_s`` without an answer restarts it (a SIGSTOPped or wedged event loop).
+anything; only ``timeout_s`` without an answer restarts it (a SIGSTOPped or wedged event loop) —
+or ``timeout_s`` of 503 ``background_stalled`` answers: the router's own background work (the
+KV-event subscriber, the worker poller, its maintenance loop; :mod:`cpd.router.background`) died
+for good or made no progress, so it routes on a frozen index and stale loads (reason
+``background_stalled``).
 
 What counts as failing: any answer but 200 (503 ``engine_stuck``, 503 after failing steps) and
 no answer in time. A stuck engine is restarted about ``engine.max_step_s + timeout_s`` after its
@@ -50,6 +54,7 @@ ENGINE_STUCK = "engine_stuck"
 FAILED_STEPS = "failed_steps"
 UNHEALTHY = "unhealthy"
 CONSECUTIVE_FAILED_STEPS = "consecutive_failed_steps"  # restart reason of the failed-steps limit
+BACKGROUND_STALLED = "background_stalled"  # the router: a background task died or stalled
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,13 @@ def classify_answer(status_code: int | None, body: Any, at_s: float) -> ProbeRes
     """Liveness of a process whose ``/health`` status says more about others than about itself
     (the router: 503 ``degraded`` while no worker is usable; 401 where an operator took ``/health``
     out of ``auth.open_paths``): any HTTP answer is alive (its event loop serves), no answer in
-    time fails (``no_answer``). Restarting it for a status would not bring the workers back."""
+    time fails (``no_answer``). Restarting it for a status would not bring the workers back.
+    Except a 503 whose body says ``background_stalled`` (the router's own background work died or
+    stalled: :mod:`cpd.router.background`): failing, reason ``background_stalled``."""
     if status_code is None:
         return ProbeResult(at_s, False, NO_ANSWER)
+    if status_code == 503 and isinstance(body, dict) and body.get(BACKGROUND_STALLED):
+        return ProbeResult(at_s, False, BACKGROUND_STALLED)
     return ProbeResult(at_s, True)
 
 

@@ -70,43 +70,70 @@ class EventPublisher:
 
 class EventSubscriber:
     """Subscribes to many publishers and calls ``on_batch(worker_id, seq, batch)``
-    from its own thread. Endpoints can be added while running."""
+    from its own thread. Endpoints can be added while running.
 
-    def __init__(self, on_batch: Callable[[str, int, object], None]):
+    ``on_iteration()`` (optional) is called once per poll round, at most ~50 ms apart while the
+    loop runs (a liveness tick; it may raise to end the loop). ``runner(body, stop)`` (optional)
+    runs the loop in the thread: ``body()`` returns once ``stop`` is set (:meth:`close`) and raises when the
+    loop dies (an exception in ``on_batch`` or ``on_iteration``); a runner may call ``body()``
+    again to restart it, with fresh sockets to every endpoint added so far
+    (:meth:`cpd.router.background.BackgroundTasks.run_thread`). Without one, a death ends the
+    thread (and is reported by :func:`threading.excepthook`)."""
+
+    def __init__(self, on_batch: Callable[[str, int, object], None],
+                 on_iteration: Callable[[], None] | None = None,
+                 runner: Callable[[Callable[[], None], threading.Event], None] | None = None):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._on_batch = on_batch
+        self._on_iteration = on_iteration
         self._endpoints: dict[str, str] = {}
+        self._lock = threading.Lock()
         self._add_q: queue.Queue[tuple[str, str]] = queue.Queue()
         self._stop = threading.Event()
         self.num_decode_errors = 0
-        self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
+        run = runner or (lambda body, stop: body())
+        self._thread = threading.Thread(target=run, args=(self._run, self._stop), name="kv-event-sub", daemon=True)
         self._thread.start()
 
     def add(self, worker_id: str, endpoint: str) -> None:
-        self._add_q.put((worker_id, endpoint))
+        with self._lock:
+            self._endpoints[worker_id] = endpoint
+            self._add_q.put((worker_id, endpoint))
 
     def _run(self) -> None:
         socks: dict[zmq.Socket[bytes], str] = {}
         poller = zmq.Poller()
-        while not self._stop.is_set():
-            while not self._add_q.empty():
-                wid, ep = self._add_q.get()
-                s = self._ctx.socket(zmq.SUB)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.SUBSCRIBE, TOPIC)
-                s.connect(ep)
-                socks[s] = wid
-                poller.register(s, zmq.POLLIN)
-            for s, _ in poller.poll(50):
-                topic, seq, payload = s.recv_multipart()
-                try:
-                    batch = decode_batch(payload)
-                except msgspec.DecodeError:
-                    self.num_decode_errors += 1
-                    continue
-                self._on_batch(socks[s], unpack_seq(seq), batch)
-        for s in socks:
-            s.close(0)
+
+        def connect(wid: str, ep: str) -> None:
+            s = self._ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            s.connect(ep)
+            socks[s] = wid
+            poller.register(s, zmq.POLLIN)
+
+        try:
+            with self._lock:  # a (re)start: every endpoint known so far, once
+                while not self._add_q.empty():
+                    self._add_q.get()
+                for wid, ep in self._endpoints.items():
+                    connect(wid, ep)
+            while not self._stop.is_set():
+                if self._on_iteration is not None:
+                    self._on_iteration()
+                while not self._add_q.empty():
+                    connect(*self._add_q.get())
+                for s, _ in poller.poll(50):
+                    topic, seq, payload = s.recv_multipart()
+                    try:
+                        batch = decode_batch(payload)
+                    except msgspec.DecodeError:
+                        self.num_decode_errors += 1
+                        continue
+                    self._on_batch(socks[s], unpack_seq(seq), batch)
+        finally:
+            for s in socks:
+                s.close(0)
 
     def close(self) -> None:
         self._stop.set()

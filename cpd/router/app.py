@@ -27,6 +27,8 @@ from cpd.messages.worker_api import KvSnapshot, L3Snapshot, MalformedBody, decod
 from cpd.policy.roles import PlannerConfig
 from cpd.policy.routing import LinearCostModel, RoutingConfig
 from cpd.router import compat, registration
+from cpd.router.background import (BACKGROUND_STALLED, ELASTIC, KV_EVENTS, MAINTENANCE, WORKER_POLLER,
+                                   BackgroundTasks, stall_bound_s)
 from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend, current_tenant
 from cpd.router.dispatch import CPDBackend, DispatchTimeouts
 from cpd.router.elastic import ElasticRoles, RoleAssignment, apply_role_change
@@ -52,7 +54,8 @@ class Router:
                  role_window_s: float = 30.0, raw_ready_margin_s: float = 0.25, max_in_flight: int = 256, max_decode_per_worker: int = 64,
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
                  open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
-                 timeouts: DispatchTimeouts | None = None, prefill_cost_fit: bool = False):
+                 timeouts: DispatchTimeouts | None = None, prefill_cost_fit: bool = False,
+                 background_stall_timeout_s: float = 60.0):
         self.timeouts = timeouts  # router->worker call bounds; None = defaults / CPD_DISPATCH_TIMEOUTS
         self.api_keys = api_keys or ApiKeys({})  # client keys -> tenants (cpd.router.api_keys)
         self.open_paths = tuple(open_paths)
@@ -60,6 +63,10 @@ class Router:
         self.workers = WorkerSet(workers)
         self.index = PrefixIndex()
         self.metrics = RouterMetrics()
+        # background tasks: ticks, in-process restarts, and the /health verdict (cpd.router.background)
+        self.background = BackgroundTasks()
+        self.background_stall_timeout_s = background_stall_timeout_s
+        self.metrics.watch_background(self.background)
         # routing settings: ``routing`` (cpd.config.routing_config), else the static defaults; the
         # block size is always the served namespace's
         base = routing or RoutingConfig(topology=Topology(topology), cold_threshold=cold_threshold)
@@ -161,14 +168,24 @@ class Router:
             self._l3_resync_pending = True  # store or worker unreachable: try again later
             return
 
+    def _on_events_restart(self) -> None:
+        """The KV-event subscriber restarts after it died: events were lost meanwhile, so every
+        worker's L1/L2 entries and the L3 view are rebuilt from snapshots (as after a gap)."""
+        self._resync_pending.update(self.workers.by_id)
+        self._l3_resync_pending = True
+
     async def _maintenance(self) -> None:
+        tick = self.background.atick
         while True:
+            await tick(MAINTENANCE)
             if self._l3_resync_pending and time.monotonic() >= self._l3_resync_after:
                 self._l3_resync_after = time.monotonic() + L3_RESYNC_RETRY_S
                 await self.resync_l3()
+                await tick(MAINTENANCE)  # each call is bounded; a tick between them bounds the silence
             for wid in list(self._resync_pending):
                 self._resync_pending.discard(wid)
                 await self.resync(wid)
+                await tick(MAINTENANCE)
             for tier, n in self.index.sizes().items():
                 self.metrics.index_blocks.labels(tier).set(n)
             await asyncio.sleep(0.2)
@@ -184,17 +201,28 @@ class Router:
                                                                   keepalive_expiry=2.0),
                                               auth=client_auth(router.internal_secret))
             backend.client = router.client
-            router.subscriber = EventSubscriber(router._on_batch)
+            bg = router.background
+            stall_s = router.background_stall_timeout_s
+            for name, period_s in ((KV_EVENTS, 0.05), (WORKER_POLLER, router.workers.poll_interval_s),
+                                   (MAINTENANCE, 0.2)):
+                bg.register(name, stall_bound_s(stall_s, period_s))
+            router.subscriber = EventSubscriber(
+                router._on_batch, on_iteration=lambda: bg.tick(KV_EVENTS),
+                runner=lambda body, stop: bg.run_thread(KV_EVENTS, body, stop, on_restart=router._on_events_restart))
             for w in router.workers.by_id.values():
                 router.subscriber.add(w.worker_id, w.events_endpoint)
             await asyncio.gather(*(router._admit(w) for w in router.workers.by_id.values()))
             await asyncio.sleep(0.2)  # let SUB sockets connect before the snapshot
             await asyncio.gather(*(router.resync(w) for w in router.workers.by_id))
             await router.resync_l3()
-            tasks = [asyncio.create_task(router.workers.run_poller(router.client)),
-                     asyncio.create_task(router._maintenance())]
+            tasks = [asyncio.create_task(bg.run_async(
+                         WORKER_POLLER, lambda: router.workers.run_poller(router.client, lambda: bg.atick(WORKER_POLLER)))),
+                     asyncio.create_task(bg.run_async(MAINTENANCE, router._maintenance))]
             if router.elastic is not None:
-                tasks.append(asyncio.create_task(router.elastic.run(router.client)))
+                elastic = router.elastic
+                bg.register(ELASTIC, stall_bound_s(stall_s, elastic.cfg.interval_s))
+                tasks.append(asyncio.create_task(bg.run_async(
+                    ELASTIC, lambda: elastic.run(router.client, lambda: bg.atick(ELASTIC)))))
             yield
             for t in tasks:
                 t.cancel()
@@ -283,9 +311,18 @@ def _replace_health(app: FastAPI, router: Router) -> None:
 
     @app.get("/health")
     async def health():
+        """200 ``ok``: a usable prefill-side and a usable decode worker, and every background task
+        alive and progressing. 503 ``degraded``: no usable worker of a side (the router itself is
+        fine). 503 ``background_stalled`` (with ``reason``): a background task died or stalled
+        (:func:`cpd.router.background.background_verdict`); ``cpd serve`` restarts such a router.
+        ``background``: each task's ``alive``, ``last_ok_age_s``, ``restarts``, ``last_error``."""
         ws = router.workers.by_id.values()
         ok = any(w.usable and w.role != "decode" for w in ws) and any(w.usable and w.role == "decode" for w in ws)
+        verdict = router.background.verdict()
         body = {"status": "ok" if ok else "degraded",
                 "workers": {w.worker_id: w.usable for w in ws},
-                "refused": {w.worker_id: w.refusal_reason for w in ws if w.state == compat.REFUSED}}
-        return JSONResponse(body, status_code=200 if ok else 503)
+                "refused": {w.worker_id: w.refusal_reason for w in ws if w.state == compat.REFUSED},
+                "background": router.background.report()}
+        if not verdict.healthy:
+            body.update(status=BACKGROUND_STALLED, reason=verdict.reason, background_stalled=list(verdict.failing))
+        return JSONResponse(body, status_code=200 if ok and verdict.healthy else 503)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Awaitable, Callable
 
 import httpx
 import msgspec
@@ -54,10 +55,13 @@ class ElasticRoles:
         self.num_plans = 0
         self.last_error: str | None = None
 
-    async def run(self, client: httpx.AsyncClient) -> None:
+    async def run(self, client: httpx.AsyncClient, tick: Callable[[], Awaitable[None]] | None = None) -> None:
         """Plan and apply every ``interval_s`` until cancelled. A planner error is logged and
-        the loop goes on (the next window may plan fine)."""
+        the loop goes on (the next window may plan fine). ``tick()`` (a liveness tick,
+        :mod:`cpd.router.background`) is awaited before each round."""
         while True:
+            if tick is not None:
+                await tick()
             await asyncio.sleep(self.cfg.interval_s)
             try:
                 await self.plan_once(client)

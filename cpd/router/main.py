@@ -57,7 +57,8 @@ def build_router(cfg: Config) -> Router:
                   raw_ready_margin_s=r.raw_ready_margin_s, prefill_cost_fit=r.prefill_cost_fit,
                   max_in_flight=r.max_in_flight, max_decode_per_worker=r.decode_slots(cfg.engine.max_num_seqs),
                   max_request_body_bytes=r.max_request_body_bytes, api_keys=api_keys,
-                  open_paths=tuple(cfg.auth.open_paths), internal_secret=secret, timeouts=timeouts)
+                  open_paths=tuple(cfg.auth.open_paths), internal_secret=secret, timeouts=timeouts,
+                  background_stall_timeout_s=r.background_stall_timeout_s)
 
 
 def _serve_supervisor_status(app: FastAPI, router: Router, status_path: str) -> None:

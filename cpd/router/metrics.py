@@ -66,6 +66,13 @@ class RouterMetrics:
         self.registry.register(WorkersCollector(workers))
         workers.on_role_change = lambda c: self.role_changes.labels(c["from_role"], c["to_role"]).inc()
 
+    def watch_background(self, tasks) -> None:
+        """Export the router's background tasks (:class:`cpd.router.background.BackgroundTasks`)
+        at each scrape: ``cpd_router_background_task_up{task}`` (1: alive and within its stall
+        bound), ``cpd_router_background_task_last_ok_age_seconds{task}`` (since its last completed
+        iteration) and ``cpd_router_background_task_restarts_total{task}`` (in-process restarts)."""
+        self.registry.register(BackgroundCollector(tasks))
+
     def watch_supervisor(self, status_path: str) -> None:
         """Export the deployment supervisor's status file (:mod:`cpd.supervise`) at each scrape:
         ``cpd_process_restarts_total{process,role}``, ``cpd_process_up{process,role}`` and
@@ -114,3 +121,29 @@ class SupervisorCollector:
         yield restarts
         yield up
         yield liveness
+
+
+class BackgroundCollector:
+    """The router's background tasks, read at each scrape (:mod:`cpd.router.background`)."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    def collect(self):
+        from cpd.router.background import background_verdict
+        now = self.tasks.clock()
+        snap = self.tasks.snapshot()
+        failing = set(background_verdict(snap, now).failing)
+        up = GaugeMetricFamily("cpd_router_background_task_up", "1 if the router's background task is alive and "
+                               "completed an iteration within its stall bound, else 0", labels=["task"])
+        age = GaugeMetricFamily("cpd_router_background_task_last_ok_age_seconds", "Seconds since the background "
+                                "task last completed an iteration", labels=["task"])
+        restarts = CounterMetricFamily("cpd_router_background_task_restarts", "In-process restarts of the "
+                                       "background task after it died", labels=["task"])
+        for t in sorted(snap, key=lambda t: t.name):
+            up.add_metric([t.name], 0.0 if t.name in failing else 1.0)
+            age.add_metric([t.name], t.silent_for_s(now))
+            restarts.add_metric([t.name], float(t.restarts))
+        yield up
+        yield age
+        yield restarts

@@ -166,7 +166,12 @@ class WorkerSet:
                     self.mark_unhealthy(w.worker_id)
         await asyncio.gather(*(one(w) for w in self.by_id.values()))
 
-    async def run_poller(self, client: httpx.AsyncClient) -> None:
+    async def run_poller(self, client: httpx.AsyncClient,
+                         tick: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Poll every ``poll_interval_s`` until cancelled; ``tick()`` (a liveness tick,
+        :mod:`cpd.router.background`) is awaited before each poll."""
         while True:
+            if tick is not None:
+                await tick()
             await self.poll_once(client)
             await asyncio.sleep(self.poll_interval_s)
