@@ -13,8 +13,9 @@ With ``deployment.supervise`` (the default) a child that exits is restarted with
 same command line and ports, with exponential backoff (:mod:`cpd.supervise`); so is a
 worker that fails its ``/health`` probes for ``deployment.liveness_timeout_s`` (engine
 stuck, no answer: :mod:`cpd.liveness`) or reports ``deployment.liveness_max_failed_steps``
-consecutive failed engine steps, and a router whose ``/health`` does not answer for
-``liveness_timeout_s``, killed first. A restarted router rebuilds its view at start-up as it
+consecutive failed engine steps, and a router whose ``/health`` does not answer, or answers 503
+``background_stalled`` (a background task of the router died or stalled:
+:mod:`cpd.router.background`), for ``liveness_timeout_s``, killed first. A restarted router rebuilds its view at start-up as it
 built it the first time: the workers from ``router.toml`` (a role changed at run time is adopted
 from the worker's ``/info``), their L1/L2 blocks from ``/kv_snapshot`` and the L3 view from a
 store listing; only :meth:`Deployment.stop` ends the deployment. Restarts are logged and counted in
@@ -293,7 +294,7 @@ class Deployment:
         c = Child("router", "router", self._spawner(["-m", "cpd.router.main", "--config", str(path)], "router",
                                             stdout_pipe=False),
                   on_started=self._watch_router_ready, health_url=f"{self.url}/health",
-                  classify=classify_answer)  # alive while it answers (503 "degraded" is about the workers)
+                  classify=classify_answer)  # alive if it answers, unless 503 background_stalled
         c.proc = c.spawn()
         c.started_at_s = time.monotonic()
         self.children["router"] = c

@@ -20,7 +20,8 @@ Design:
   stopped process waits ``probe_timeout_s``) once it has reported READY; ``Child.classify`` reads
   the answer (workers: :func:`~cpd.liveness.classify_health`; the router, whose ``/health`` is 503
   ``degraded`` while no worker is usable: :func:`~cpd.liveness.classify_answer`, any answer is
-  alive). When the pure :class:`LivenessState` says the child has failed every probe for
+  alive except 503 ``background_stalled``: one of its background tasks died or stalled,
+  :mod:`cpd.router.background`). When the pure :class:`LivenessState` says the child has failed every probe for
   ``timeout_s`` (engine stuck, no answer) or reports ``max_failed_steps`` consecutive failed engine
   steps, its process group is SIGKILLed (works on a SIGSTOPped process too) and the ordinary exit
   path above restarts it with the same command line. The kill is logged with its reason and counted per reason in the

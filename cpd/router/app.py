@@ -203,9 +203,7 @@ class Router:
             backend.client = router.client
             bg = router.background
             stall_s = router.background_stall_timeout_s
-            for name, period_s in ((KV_EVENTS, 0.05), (WORKER_POLLER, router.workers.poll_interval_s),
-                                   (MAINTENANCE, 0.2)):
-                bg.register(name, stall_bound_s(stall_s, period_s))
+            bg.register(KV_EVENTS, stall_bound_s(stall_s, 0.05))
             router.subscriber = EventSubscriber(
                 router._on_batch, on_iteration=lambda: bg.tick(KV_EVENTS),
                 runner=lambda body, stop: bg.run_thread(KV_EVENTS, body, stop, on_restart=router._on_events_restart))
@@ -215,14 +213,17 @@ class Router:
             await asyncio.sleep(0.2)  # let SUB sockets connect before the snapshot
             await asyncio.gather(*(router.resync(w) for w in router.workers.by_id))
             await router.resync_l3()
+            client = router._http()
+            bg.register(WORKER_POLLER, stall_bound_s(stall_s, router.workers.poll_interval_s))
+            bg.register(MAINTENANCE, stall_bound_s(stall_s, 0.2))
             tasks = [asyncio.create_task(bg.run_async(
-                         WORKER_POLLER, lambda: router.workers.run_poller(router.client, lambda: bg.atick(WORKER_POLLER)))),
+                         WORKER_POLLER, lambda: router.workers.run_poller(client, lambda: bg.atick(WORKER_POLLER)))),
                      asyncio.create_task(bg.run_async(MAINTENANCE, router._maintenance))]
             if router.elastic is not None:
                 elastic = router.elastic
                 bg.register(ELASTIC, stall_bound_s(stall_s, elastic.cfg.interval_s))
                 tasks.append(asyncio.create_task(bg.run_async(
-                    ELASTIC, lambda: elastic.run(router.client, lambda: bg.atick(ELASTIC)))))
+                    ELASTIC, lambda: elastic.run(client, lambda: bg.atick(ELASTIC)))))
             yield
             for t in tasks:
                 t.cancel()

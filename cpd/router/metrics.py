@@ -78,7 +78,8 @@ class RouterMetrics:
         ``cpd_process_restarts_total{process,role}``, ``cpd_process_up{process,role}`` and
         ``cpd_process_liveness_restarts_total{process,role,reason}`` (restarts the liveness probe
         forced: ``engine_stuck``, ``no_answer`` (a worker, or ``process="router"``),
-        ``consecutive_failed_steps``, ... ; :mod:`cpd.liveness`)."""
+        ``consecutive_failed_steps``, ``background_stalled`` (the router; :mod:`cpd.router.background`),
+        ... ; :mod:`cpd.liveness`)."""
         self.registry.register(SupervisorCollector(status_path))
 
 
