@@ -23,7 +23,10 @@ queue time and the tiers, and prints, over the measured window (arrivals from 7.
 - with ``-v``: one line per measured request;
 - with ``--force``: the simulator routes every request to the prefill worker the live router chose
   (the same rules given only that worker on the prefill side: its own load plan there), which
-  separates a difference of the routing decisions from a difference of the serving mechanism.
+  separates a difference of the routing decisions from a difference of the serving mechanism;
+- with ``--defer-l3``: the simulator's write-through blocks become visible in L3 when the step that
+  computed them ends (buffered here, written in ``_step_done``), not when ``Engine.step()`` runs at
+  the step's virtual start (the proposed simulator fix, tried without changing cpd).
 """
 from __future__ import annotations
 
@@ -34,8 +37,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, ".")
+import numpy as np  # noqa: E402
+
 import benchmarks.modeled_ordering as mo  # noqa: E402
 import cpd.sim.engine_sim as es  # noqa: E402
+from cpd.store.connector import L3Connector  # noqa: E402
+
+es.L3Connector_save = L3Connector.save
 from cpd.engine.weights import make_tiny_llama_dir  # noqa: E402
 
 K = 3.0
@@ -62,6 +70,8 @@ def _route_rec(num_tokens, match, loads, cfg, cost):
 es.route = _route_rec
 _sims: list = []
 _force: dict = {}
+_defer_l3 = "--defer-l3" in sys.argv
+_held_writes: dict = {}
 
 
 class Sim(es.EngineSimulator):
@@ -79,7 +89,23 @@ class Sim(es.EngineSimulator):
             self.rec[i]["est_ttft"] = d.estimated_ttft_s
             self.rec[i]["plan"] = (d.load_plan.l1_blocks, d.load_plan.l2_blocks, d.load_plan.l3_blocks)
 
+    def _instance(self, wid, spec):
+        w = super()._instance(wid, spec)
+        con = w.engine.connector
+        if _defer_l3 and con is not None:  # write-through visible at the end of the step (proposed fix)
+            held: list = []
+            con.save = lambda h, p, t, b, _held=held: _held.append((h, p, t, [np.array(x, copy=True) for x in b]))
+            _held_writes[wid] = (con, held)
+        return w
+
     def _step_done(self, now, w, outs):
+        con_held = _held_writes.get(w.wid)
+        if con_held is not None and con_held[1]:
+            con, held = con_held
+            for job in held:
+                es.L3Connector_save(con, *job)
+            held.clear()
+            self._publish(now, w)
         for o in outs:
             rec = self.rec[int(o.request_id)]
             if o.queue_s is not None and "queue_s" not in rec:
@@ -134,7 +160,7 @@ def union_s(iv: list[tuple[float, float]]) -> float:
 def main() -> None:
     verbose = "-v" in sys.argv
     force = "--force" in sys.argv
-    args = [x for x in sys.argv[1:] if x not in ("-v", "--force")]
+    args = [x for x in sys.argv[1:] if x not in ("-v", "--force", "--defer-l3")]
     rec_dir = Path(args[0])
     tmp = tempfile.mkdtemp()
     md = str(make_tiny_llama_dir(Path(tmp) / "t", seed=0))
@@ -150,6 +176,7 @@ def main() -> None:
             _force.update({i: x["record"]["prefill_worker"] for i, x in enumerate(live) if x.get("record")})
         _sims.clear()
         _steps.clear()
+        _held_writes.clear()
         rows = mo.run_sim(a, name, reqs, vocab, md)
         sim = _sims[-1]
         srec = sim.rec
@@ -162,7 +189,8 @@ def main() -> None:
                 prev[i] = best
         s_summ = mo.summarise(rows, a, WARM)
         print(f"\n=== {qps:g} QPS {name}: {len(win)} measured; sim goodput {s_summ['goodput']}"
-              + (" (simulator forced to the live run's prefill worker for every request)" if force else ""))
+              + (" (simulator forced to the live run's prefill worker for every request)" if force else "")
+              + (" (write-through visible at the end of its step)" if _defer_l3 else ""))
         agg = {k: 0.0 for k in ("s_ttft", "s_q", "s_c", "l_ttft", "l_q", "l_c", "s_est_err", "l_est_err")}
         tiers = {"sim": {"L1": 0, "L2": 0, "L3": 0, "unc": 0}, "live": {"L1": 0, "L2": 0, "L3": 0, "unc": 0}}
         moves = {"sim": 0, "live": 0, "turns": 0}
