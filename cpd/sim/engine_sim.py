@@ -322,6 +322,7 @@ class EngineSimulator:
             self._prompts.put(blocks, ids, hashes)  # the session's next turn starts with them
             if writer is not None:
                 writer.save(hashes, None, no_tokens, [payload] * len(hashes))
+                writer.apply_pending()
                 continue
             hp = side[k % len(side)].engine.host_pool
             for j, h in enumerate(hashes):
@@ -347,12 +348,12 @@ class EngineSimulator:
         w_box: list[_Inst] = []
         sink: Callable[[Any], None] = lambda ev: w_box[0].batches.append(ev)
         if self.c.l3_bytes and spec.role != DECODE:
+            from cpd.sim.step_end_connector import StepEndL3Connector
             from cpd.store import open_store
-            from cpd.store.connector import L3Connector
             store = open_store(f"mem://{self._store_name}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
-            # synchronous writes: deterministic (the live connector writes in a background thread;
-            # here a written block is visible at the end of the step that computed it)
-            connector = L3Connector(store, event_sink=sink, write_async=False)
+            # synchronous writes, deterministic (the live connector writes in a background thread),
+            # applied when the step that computed the blocks ends (_step_done), not at its start
+            connector = StepEndL3Connector(store, event_sink=sink)
         # the engine's clock: virtual now plus the waits of the step running (a live engine's clock
         # moves during a step; its step figures, step_s, must too)
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
@@ -518,6 +519,9 @@ class EngineSimulator:
 
     def _step_done(self, now: float, w: _Inst, outs) -> None:
         w.busy = False
+        if w.engine.connector is not None and w.engine.connector.num_pending_saves:
+            w.engine.connector.apply_pending()  # the step's write-through lands at its end
+            self._publish(now, w)  # with its L3 events
         for o in outs:
             i = int(o.request_id)
             rec = self._record(i)

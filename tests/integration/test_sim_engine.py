@@ -252,3 +252,23 @@ def test_request_overhead_is_instance_time_per_finished_prefill():
     d = COST.step_time_s([(4 * BS, 0)]) + 0.25  # the first arrival's step starts alone; the second waits
     assert _ttfts(sim) == pytest.approx([d, 2 * d])
     assert sum(sim.busy_s().values()) == pytest.approx(2 * d)
+
+
+def test_a_write_through_is_visible_when_its_step_ends_not_when_it_starts():
+    """pd-l3 with two prefill workers: B shares A's whole prefix and arrives while A's one-step
+    prefill runs on p0, so it goes to the idle p1. The live connector stores A's blocks only after
+    A's step, so B must recompute them (no L3 hit); a request arriving after A's step has ended
+    finds them. (Written inside ``Engine.step()``, the blocks were visible at the step's start.)"""
+    roles = ("prefill", "prefill", "decode")
+    insts = tuple(EngineInstanceSpec(r, COST, _sched(), 2000, 0) for r in roles)
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS, write_through="all"), COST, BS,
+                           l3_bytes=100 << 30, kv_event_delay_s=0.0)
+    prefix = tuple(range(100, 116))  # 16 blocks: one 8192-token step
+    reqs = [SimRequest(0.0, 16 * BS, 2, prefix), SimRequest(0.001, 16 * BS + 100, 2, prefix + (900,)),
+            SimRequest(5.0, 16 * BS + 200, 2, prefix + (901,))]
+    sim = EngineSimulator(cl, reqs).run()
+    a, b, c = sim.rec
+    assert a["ttft_t"] - a["arrival"] > 0.01  # A's step takes time: B arrives during it
+    assert b["worker"] != a["worker"]
+    assert b["l3"] == 0 and b["l1"] == 0, b
+    assert c["l1"] + c["l3"] >= 15 * BS, c
