@@ -507,7 +507,8 @@ def _route_static(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[Wo
     least_own = min(own.values())
     scored = []
     for w in pool:
-        wait, t = _queue_s(w, cost), _queue_s(w, cost) + own[w.worker_id]
+        wait = _queue_s(w, cost)
+        t = wait + own[w.worker_id]
         score = t + cfg.waste_weight * (own[w.worker_id] - least_own)
         scored.append((score, w.running_requests, w.worker_id, Role(w.role), wait, t))
     _, _, wid, role, _, t = min(scored)

@@ -47,10 +47,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Mapping
 
+from cpd.liveness import BACKGROUND_STALLED  # /health status and the supervisor's restart reason
+
 log = logging.getLogger("cpd.router.background")
 
 KV_EVENTS, WORKER_POLLER, MAINTENANCE, ELASTIC = "kv_events", "worker_poller", "maintenance", "elastic"
-BACKGROUND_STALLED = "background_stalled"  # /health status and the supervisor's restart reason
 FAULT_FILE_ENV = "CPD_FAULT_ROUTER_TASK_FILE"
 
 RUNNING, RESTARTING, DEAD = "running", "restarting", "dead"

@@ -39,6 +39,7 @@ from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.sim.core_share import CoreShare
+from cpd.sim.step_end_connector import StepEndL3Connector
 from cpd.sim.workload import SimRequest
 from cpd.types import PREFILL_SIDE_ROLES, Role, Tier
 
@@ -222,6 +223,7 @@ class _Inst:
     pending_handoffs: int = 0  # decode: routed here, KV not imported yet
     step_version: int = 0  # shared cores: the current completion event of the running step
     step_outs: Any = None  # shared cores: the running step's outputs, delivered when it ends
+    l3_writer: StepEndL3Connector | None = None  # the engine's connector (prefill side with L3)
 
 
 class EngineSimulator:
@@ -314,7 +316,7 @@ class EngineSimulator:
             return
         lay = side[0].engine.executor.kv_layout
         payload = side[0].engine.arrays.zeros((lay.num_layers, 2, self.bs, lay.num_kv_heads, lay.head_dim))
-        writer = next((w.engine.connector for w in side if w.engine.connector is not None), None)
+        writer = next((w.l3_writer for w in side if w.l3_writer is not None), None)
         no_tokens: list[int] = []
         for k, blocks in enumerate(sessions):
             ids = prompt_u32(blocks, len(blocks) * self.bs, self.bs, self.vocab_size)
@@ -348,7 +350,6 @@ class EngineSimulator:
         w_box: list[_Inst] = []
         sink: Callable[[Any], None] = lambda ev: w_box[0].batches.append(ev)
         if self.c.l3_bytes and spec.role != DECODE:
-            from cpd.sim.step_end_connector import StepEndL3Connector
             from cpd.store import open_store
             store = open_store(f"mem://{self._store_name}", capacity_bytes=ex.payload_bytes(self.c.l3_bytes))
             # synchronous writes, deterministic (the live connector writes in a background thread),
@@ -359,7 +360,7 @@ class EngineSimulator:
         eng = Engine(None, num_blocks=spec.l1_blocks, block_size=self.bs, host_kv_bytes=spec.l2_bytes,
                      scheduler_config=spec.sched, connector=connector, event_sink=sink, executor=ex,
                      clock=lambda: self.now + clock.pending_s)
-        w = _Inst(wid, Role(spec.role), eng, clock)
+        w = _Inst(wid, Role(spec.role), eng, clock, l3_writer=connector)
         w_box.append(w)
         return w
 
@@ -519,8 +520,8 @@ class EngineSimulator:
 
     def _step_done(self, now: float, w: _Inst, outs) -> None:
         w.busy = False
-        if w.engine.connector is not None and w.engine.connector.num_pending_saves:
-            w.engine.connector.apply_pending()  # the step's write-through lands at its end
+        if w.l3_writer is not None and w.l3_writer.num_pending_saves:
+            w.l3_writer.apply_pending()  # the step's write-through lands at its end
             self._publish(now, w)  # with its L3 events
         for o in outs:
             i = int(o.request_id)

@@ -16,13 +16,15 @@ from typing import Sequence
 
 import numpy as np
 
+from cpd.engine.connector import EventSink
+from cpd.store.base import KVStore
 from cpd.store.connector import L3Connector
 
 
 class StepEndL3Connector(L3Connector):
     """:class:`L3Connector` (synchronous writes) whose saves wait for :meth:`apply_pending`."""
 
-    def __init__(self, store, event_sink=None):
+    def __init__(self, store: KVStore, event_sink: EventSink | None = None) -> None:
         super().__init__(store, event_sink=event_sink, write_async=False)
         self._pending: list[tuple[list[int], int | None, list[int], list[np.ndarray]]] = []
 

@@ -108,7 +108,7 @@ def _arm(fault_file, task: str, mode: str, pid: int) -> float:
     return time.monotonic()
 
 
-def _wait(cond, bound_s: float, what: str) -> float:
+def _wait(cond, bound_s: float, what) -> float:
     """Seconds until ``cond()`` holds (AssertionError with ``what()`` after ``bound_s``)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < bound_s:
@@ -116,6 +116,24 @@ def _wait(cond, bound_s: float, what: str) -> float:
             return time.monotonic() - t0
         time.sleep(0.05)
     raise AssertionError(f"not within {bound_s} s: {what()}")
+
+
+def _wait_for_503(dep, accept, bound_s: float) -> tuple[float, dict]:
+    """Seconds until the router's ``/health`` answers 503 with a body that ``accept(body)`` takes,
+    and that body (AssertionError after ``bound_s``; a failed connection is a miss, not an error)."""
+    seen: dict = {}
+
+    def hit() -> bool:
+        try:
+            code, body = _health(dep)
+        except httpx.HTTPError:
+            return False
+        if code == 503 and accept(body):
+            seen.update(body)
+            return True
+        return False
+
+    return _wait(hit, bound_s, lambda: _health(dep)), seen
 
 
 def _metric(dep, name: str, **labels) -> float:
@@ -193,19 +211,7 @@ def test_hung_subscriber_turns_health_503_and_the_supervisor_restarts_the_router
     prompt, cold_tokens, warm, sizes = _warm_prompt(dep, tiny_model_dir, 3200)
     pid, restarts = dep.pids()["router"], _router_restarts(dep)
     t0 = _arm(fault_file, "kv_events", "hang", pid)
-    seen: dict = {}
-
-    def stalled() -> bool:
-        try:
-            code, body = _health(dep)
-        except httpx.HTTPError:
-            return False
-        if code == 503 and body.get("status") == "background_stalled":
-            seen.update(body)
-            return True
-        return False
-
-    detect_s = _wait(stalled, DETECT_BOUND_S, lambda: _health(dep))
+    detect_s, seen = _wait_for_503(dep, lambda body: body.get("status") == "background_stalled", DETECT_BOUND_S)
     print(f"/health 503 background_stalled {detect_s:.2f} s after the hang (bound {DETECT_BOUND_S:g} s): "
           f"{seen['reason']}")
     assert detect_s >= STALL_S - 0.5  # not before the bound
@@ -223,19 +229,8 @@ def test_poller_that_keeps_dying_is_given_up_and_the_router_restarted(dep, tiny_
     prompt, cold_tokens, warm, sizes = _warm_prompt(dep, tiny_model_dir, 3300)
     pid, restarts = dep.pids()["router"], _router_restarts(dep)
     t0 = _arm(fault_file, "worker_poller", "raise", pid)
-    seen: dict = {}
-
-    def dead() -> bool:
-        try:
-            code, body = _health(dep)
-        except httpx.HTTPError:
-            return False
-        if code == 503 and not body["background"]["worker_poller"]["alive"]:
-            seen.update(body)
-            return True
-        return False
-
-    detect_s = _wait(dead, GIVE_UP_BOUND_S, lambda: _health(dep))
+    detect_s, seen = _wait_for_503(dep, lambda body: not body["background"]["worker_poller"]["alive"],
+                                   GIVE_UP_BOUND_S)
     print(f"worker_poller given up {detect_s:.2f} s after the fault (bound {GIVE_UP_BOUND_S:g} s): {seen['reason']}")
     assert seen["status"] == "background_stalled" and seen["background_stalled"] == ["worker_poller"], seen
     assert "worker_poller died after 3 restarts" in seen["reason"] and "InjectedTaskFault" in seen["reason"]
