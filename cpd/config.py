@@ -102,9 +102,10 @@ class EngineSection(Section):
                                                        "router routes elsewhere and fails over (one step of the "
                                                        "token budget must fit, with room for a loaded CPU; "
                                                        "on GPUs, where a step takes milliseconds, lower it)")
-    failed_steps_retry_after_s: float = Field(5.0, gt=0, description="a worker whose last 2+ steps failed reports "
-                                                                     "503 until its latest failure is this old, then "
-                                                                     "200 so that the router tries it again "
+    failed_steps_retry_after_s: float = Field(5.0, gt=0, description="a worker whose engine failed a step (a "
+                                                                     "canary forward failed too) reports 503; idle, "
+                                                                     "it probes its engine every this many seconds "
+                                                                     "and reports 200 again once a probe runs "
                                                                      "(cpd.worker.runtime.StepHealth)")
 
 

@@ -15,18 +15,16 @@ within ``probe_timeout_s`` counts as failed, reason ``no_answer``) and feeds the
   are not counted (the HTTP server may not listen yet);
 * ``timeout_s == 0`` turns it off.
 
-Failing engine steps (``max_failed_steps``): a worker whose engine steps keep failing (a broken
-device, a corrupted executor) answers 503 only while its latest failure is younger than the
-worker's ``retry_after_s`` (``engine.failed_steps_retry_after_s``), then 200 again so that the
-router tries it once more (:class:`cpd.worker.runtime.StepHealth`): the probes alternate, and the
-timeout above never fires.
-Its ``/health`` body, 200 or 503, carries ``consecutive_failed_steps`` (failed steps since the last
-good one), so the policy also restarts a worker once that count reaches ``max_failed_steps``
-(reason ``consecutive_failed_steps``; 0 turns this off). One bad request fails the one step that
-scheduled it (its neighbours in that step too) and the next good step resets the count: a single
-request never gets a worker restarted unless the limit is 1. The count grows only while nothing
-succeeds between failures, i.e. the engine fails whatever it runs (or the only traffic is the
-same bad request, sent again ``max_failed_steps`` times with nothing else in between).
+Failing engine steps (``max_failed_steps``): a worker whose engine fails (a broken device, a
+corrupted executor: nothing of a step runs and the engine's canary forward fails too) answers 503
+from that step on; idle, it probes its engine every ``retry_after_s``
+(``engine.failed_steps_retry_after_s``, :class:`cpd.worker.runtime.StepHealth`) and answers 200
+again once a probe runs. Its ``/health`` body, 200 or 503, carries ``consecutive_failed_steps``
+(failed steps and probes since the last good one), so the policy restarts a worker once that count
+reaches ``max_failed_steps`` (reason ``consecutive_failed_steps``; 0 turns this off), usually
+before ``timeout_s`` of 503 answers would. A bad request is no failed step: it fails alone (the
+engine traces a failed batched forward to it, :mod:`cpd.engine.isolation`) and the canary runs, so
+no number of bad requests restarts a worker.
 
 Answering at all (:func:`classify_answer`, the router): a process whose ``/health`` status is about
 others (the router says 503 ``degraded`` while no worker is usable) is alive while it answers

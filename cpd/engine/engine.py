@@ -15,8 +15,11 @@ in the prefix cache, writes through to L3 if asked, samples and checks stops.
 
 Failure isolation (one request never fails another): an exception attributable to one
 request (its prefix load / KV import, its sampling) finishes only that request with
-``finish_reason="error"``; an exception of the model forward finishes the requests that
-step scheduled. Blocks are freed either way and the engine keeps serving.
+``finish_reason="error"``. An exception of the batched model forward is traced to the
+requests that fail on their own by running parts of the step again (:mod:`cpd.engine.isolation`):
+only those fail, the rest of the step runs. When nothing runs, a canary forward (:meth:`probe`)
+tells a bad request (the canary runs: the engine is healthy) from a broken engine (it fails too:
+a failed step, :attr:`last_step_error`). Blocks are freed either way and the engine keeps serving.
 
 Threading: :meth:`add_request`, :meth:`add_decode_request`, :meth:`abort` and
 :meth:`release` may be called from any thread; they enqueue a command that the
@@ -44,7 +47,8 @@ from cpd.engine.connector import EventSink, KVConnector
 from cpd.engine.executor import Executor, ForwardSeq, TokenHistory
 from cpd.engine.faults import FaultPlan
 from cpd.engine.host_pool import HostPool
-from cpd.engine.kv_pool import KVPool
+from cpd.engine.isolation import isolate
+from cpd.engine.kv_pool import KVPool, NoFreeBlocks
 from cpd.engine.scheduler import SchedulePlan, SchedulerConfig, SeqState, blocks_for, schedule
 from cpd.kv.block_hash import Namespace, hash_blocks, hash_blocks_u32le
 from cpd.messages.sampling import SamplingParams
@@ -241,8 +245,8 @@ class Engine:
         self.num_preemptions = 0
         self._faults = faults or FaultPlan()
         self.num_failed_requests = 0  # requests finished with "error"
-        self.num_failed_steps = 0  # steps whose model forward failed
-        self.last_step_error: BaseException | None = None  # the forward error of the last step, None if it ran
+        self.num_failed_steps = 0  # steps whose forward failed with the engine at fault (canary failed too)
+        self.last_step_error: BaseException | None = None  # that error in the last step, else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -894,9 +898,10 @@ class Engine:
         """Run one engine step; returns the outputs it produced (possibly none).
 
         Failure isolation: a failure attributable to one request (its prefix load or KV
-        import, its sampling) finishes that request with ``"error"``; a failure of the model
-        forward finishes the requests of that step with ``"error"`` (and sets
-        :attr:`last_step_error`). Either way the engine stays consistent and keeps serving.
+        import, its sampling, a forward that fails with it alone) finishes that request with
+        ``"error"``; :attr:`last_step_error` is set only when the engine itself failed (nothing
+        of the step ran and a canary forward failed too). Either way the engine stays consistent
+        and keeps serving.
         """
         with self._step_lock:
             self.last_step_error = None
@@ -943,14 +948,81 @@ class Engine:
     def _forward(self, sched: list[tuple[_Req, int]], new_blocks: list[int]):
         """Allocate the step's new blocks, run the executor's forward over all scheduled tokens
         and return the logits of the requests that sample this step (None if none does)."""
-        seqs = []
         for (r, n), nb in zip(sched, new_blocks):
             if nb:
                 r.blocks.extend(self.pool.allocate(nb))
-            seqs.append(ForwardSeq(r.num_computed, n, r.blocks, r.tokens, r.prompt_len))
+        return self._run_forward(sched)
+
+    def _run_forward(self, sched: Sequence[tuple[_Req, int]]):
+        """The executor's forward over ``sched`` (blocks already allocated); the logits of the
+        requests that sample this step (None if none does)."""
+        seqs = [ForwardSeq(r.num_computed, n, r.blocks, r.tokens, r.prompt_len) for r, n in sched]
         self._faults.check_step(r.sampling.seed for r, _ in sched)
         samplers = [i for i, (r, n) in enumerate(sched) if r.num_computed + n == len(r.tokens)]
         return self.executor.forward(seqs, self.pool.kv, samplers)
+
+    def _try_forward(self, sched: Sequence[tuple[_Req, int]]) -> BaseException | None:
+        try:
+            self._run_forward(sched)
+        except Exception as e:
+            return e
+        return None
+
+    def _recover_forward(self, sched: list[tuple[_Req, int]], exc: BaseException):
+        """The step's forward raised ``exc``. Fail only the requests that fail on their own
+        (:func:`cpd.engine.isolation.isolate`) and run the others again; ``(survivors, logits)``.
+        When no request ran and a canary forward (:meth:`probe`) fails too, the engine itself is at
+        fault: a failed step (:attr:`last_step_error`). Otherwise the culprits were bad requests
+        and the engine is healthy (no failed step)."""
+        culprits = isolate(sched, exc, self._try_forward)
+        log.warning("engine step failed (%r); %d of its %d requests fail on their own", exc, len(culprits),
+                    len(sched))
+        bad = {sched[i][0].id for i in culprits}
+        self._running = [r for r in self._running if r.id not in bad]
+        for i, e in culprits.items():
+            self._fail(sched[i][0], e, "forward")
+        good = [(r, n) for r, n in sched if r.id not in bad]
+        if not good:
+            probe_error = self._canary()
+            if probe_error is not None:
+                self.num_failed_steps += 1
+                self.last_step_error = exc
+                log.error("the engine fails a canary forward too (%r): a failed step", probe_error)
+            return [], None
+        try:
+            return good, self._run_forward(good)
+        except Exception as e:  # failed again after isolation: nothing more to learn
+            self._fail_step([r for r, _ in good], e)
+            return [], None
+
+    def probe(self) -> BaseException | None:
+        """Run a canary forward (one token of a fresh sequence on a free block, released at once;
+        no step, no output, no event unless a cached block had to be evicted for it): None if the
+        engine computes at all, else the error. The worker probes an idle engine whose last step
+        failed, instead of sacrificing a client's request to find out.
+
+        Raises:
+            NoFreeBlocks: every block is in use (held handoffs): no probe, nothing learnt."""
+        with self._step_lock:
+            blocks = self.pool.allocate(1)
+            return self._canary(blocks)
+
+    def _canary(self, blocks: list[int] | None = None) -> BaseException | None:
+        """The canary forward on ``blocks`` (one block, released here; None: allocate one, and
+        with none free the canary counts as failed: the engine cannot clear itself)."""
+        if blocks is None:
+            try:
+                blocks = self.pool.allocate(1)
+            except NoFreeBlocks as e:
+                return e
+        try:
+            self._faults.check_step([None])
+            self.executor.forward([ForwardSeq(0, 1, blocks, [0], 1)], self.pool.kv, [0])
+        except Exception as e:
+            return e
+        finally:
+            self.pool.release(blocks)
+        return None
 
     def _sample_tokens(self, logits: Any, sreqs: list[_Req]) -> list[int | BaseException]:
         """One token per sampling request, or the exception its sampling raised."""
@@ -980,9 +1052,9 @@ class Engine:
         try:
             logits = self._forward(sched, [s.num_new_blocks for s in plan.scheduled])
         except Exception as e:
-            log.error("engine step failed; failing its %d requests", len(sched), exc_info=True)
-            self._fail_step([r for r, _ in sched], e)
-            return outputs
+            sched, logits = self._recover_forward(sched, e)
+            if not sched:
+                return outputs
         self.num_steps += 1
         bs = self.block_size
         for r, n in sched:

@@ -15,10 +15,11 @@ the TTFT) waited one or more whole steps — 2-4 s per request in a live Mooncak
 
 Failures (issue 7 §2): a request the engine finishes with ``"error"`` gets a
 :class:`RequestFailed` on its stream (its handler answers an error for that request
-only). A step whose forward failed, or an exception escaping ``Engine.step`` (an engine
-bug: every live request is failed, as nothing tells which one caused it), counts as a
-failed step in :class:`StepHealth`; the worker reports unhealthy only while steps keep
-failing (see there), never because of one old error. A step that does not end (a hung kernel,
+only). A step the engine itself failed (its canary forward failed too), or an exception
+escaping ``Engine.step`` (an engine bug: every live request is failed, as nothing tells which
+one caused it), counts as a failed step in :class:`StepHealth`; a bad request failing alone
+does not. The worker reports unhealthy only while its engine keeps failing (see there; an idle
+one is probed), never because of one old error. A step that does not end (a hung kernel,
 a deadlock) is seen from outside the engine thread: while the current step has run longer than
 ``max_step_s`` the worker is *stuck* and reports unhealthy (:meth:`EngineRunner.health`); so is
 one whose engine thread is gone. Nothing after a step (event flush, delivery to a stream whose
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from cpd.engine.kv_pool import NoFreeBlocks
 from cpd.kv.event_bus import EventPublisher
 
 
@@ -51,21 +53,22 @@ class RequestStream:
 class StepHealth:
     """Health from the engine's recent steps: a circuit breaker, not a sticky flag.
 
-    Unhealthy while the last ``max_consecutive_failures`` (or more) steps all failed and the
-    latest failure is younger than ``retry_after_s``. A good step clears it at once; an idle
-    worker whose last steps failed becomes healthy again after ``retry_after_s`` so that the
-    router sends it work again (one probe: if that fails too, it is unhealthy again).
-    One failed step is not enough by default: it fails only the requests of that step, and
-    the next step shows whether the worker itself is broken.
+    A *failed step* is one the engine itself failed (:attr:`cpd.engine.engine.Engine.last_step_error`:
+    nothing of the step ran and a canary forward failed too), or an exception escaping the step;
+    a bad request that fails alone is not one. Unhealthy while the last ``max_consecutive_failures``
+    (or more) steps or probes all failed; a good step or probe clears it at once. An idle engine
+    whose last step failed is probed every ``retry_after_s`` by the runner
+    (:meth:`EngineRunner._probe_if_due`): a client's request is never the probe. One confirmed
+    failure is enough by default, as the canary already took the second look.
     """
 
-    def __init__(self, max_consecutive_failures: int = 2, retry_after_s: float = 5.0):
+    def __init__(self, max_consecutive_failures: int = 1, retry_after_s: float = 5.0):
         self.max_consecutive_failures = max_consecutive_failures
         self.retry_after_s = retry_after_s
         self.consecutive_failures = 0
         self.num_failed_steps = 0
         self.last_error: str | None = None
-        self._last_failure_s: float | None = None
+        self.last_failure_s: float | None = None
 
     def record_ok(self) -> None:
         self.consecutive_failures = 0
@@ -74,12 +77,16 @@ class StepHealth:
         self.consecutive_failures += 1
         self.num_failed_steps += 1
         self.last_error = repr(exc)
-        self._last_failure_s = now_s
+        self.last_failure_s = now_s
 
     def healthy(self, now_s: float) -> bool:
-        if self.consecutive_failures < self.max_consecutive_failures or self._last_failure_s is None:
-            return True
-        return now_s - self._last_failure_s >= self.retry_after_s
+        return self.consecutive_failures < self.max_consecutive_failures
+
+    def probe_due(self, now_s: float) -> bool:
+        """Whether an idle engine should be probed now: its last step or probe failed, at least
+        ``retry_after_s`` ago."""
+        return (self.consecutive_failures > 0 and self.last_failure_s is not None
+                and now_s - self.last_failure_s >= self.retry_after_s)
 
     def report(self, now_s: float) -> dict:
         """``{"healthy", "consecutive_failed_steps", "num_failed_steps", "last_error"}``."""
@@ -171,7 +178,8 @@ class EngineRunner:
         report = self.step_health.report(now)
         stuck = self.stuck(now)
         report.update(healthy=report["healthy"] and not stuck, stuck=stuck,
-                      current_step_s=round(self.current_step_s(now), 3))
+                      current_step_s=round(self.current_step_s(now), 3),
+                      num_failed_requests=getattr(self.engine, "num_failed_requests", 0))
         return report
 
     def open_stream(self, request_id: str) -> RequestStream:
@@ -245,6 +253,7 @@ class EngineRunner:
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
+                self._probe_if_due()
                 if self.publisher is not None:
                     self.publisher.flush()
                 continue
@@ -277,6 +286,30 @@ class EngineRunner:
             except Exception as e:  # a bug after the step: fail the waiters, but the thread lives on
                 self.step_health.record_failure(e, time.monotonic())
                 self._fail_all(e)
+
+    def _probe_if_due(self) -> None:
+        """Idle, with the last step or probe failed long enough ago: run the engine's canary
+        forward (:meth:`cpd.engine.engine.Engine.probe`) and record it like a step, so that a
+        broken engine stays unhealthy (and its count grows to the supervisor's restart limit)
+        and a healthy one comes back, without a client's request as the probe. An engine with
+        no free block cannot probe: nothing is recorded."""
+        if not self.step_health.probe_due(time.monotonic()):
+            return
+        self.engine_lock.acquire_for_step()
+        try:
+            self._step_started_s = time.monotonic()
+            error = self.engine.probe()
+        except NoFreeBlocks:
+            return
+        except BaseException as e:
+            error = e
+        finally:
+            self._step_started_s = None
+            self.engine_lock.release()
+        if error is None:
+            self.step_health.record_ok()
+        else:
+            self.step_health.record_failure(error, time.monotonic())
 
     def _put(self, request_id: str, s: RequestStream, item) -> None:
         """Hand ``item`` to the stream's loop; a stream whose loop has closed (nobody will ever

@@ -10,13 +10,14 @@ Kubernetes liveness probe restarts a pod (real router, real modeled worker proce
 * no false positive: a worker busy for several times ``MAX_STEP_S + LIVENESS_S`` with long queued
   prefills (every step short, so it answers 200) is never restarted, and every request is exact.
 
-* one bad request (``CPD_FAULT_STEP_ERROR_SEED``: the step that schedules it fails) fails alone and
-  never gets its worker restarted (the failed-steps count goes back to 0 with the next good step);
-* a worker whose engine breaks for good (``CPD_FAULT_BREAK_SEED``: every step from the trigger on
-  fails) flips back to 200 after the worker's ``RETRY_AFTER_S`` (< ``LIVENESS_S``) each time, so the
-  timeout never fires; it is restarted once it reports ``MAX_FAILED_STEPS`` consecutive failed steps (reason
-  ``consecutive_failed_steps``), within ``FAILED_STEPS_KILL_BOUND_S`` of the break while clients keep
-  sending, and serves exact tokens after;
+* one bad request (``CPD_FAULT_STEP_ERROR_SEED``: every forward that holds it fails), sent again and
+  again, fails alone each time and never gets its worker restarted: the engine's canary forward runs,
+  so it is no failed step (the count stays 0);
+* a worker whose engine breaks for good (``CPD_FAULT_BREAK_SEED``: every forward from the trigger on
+  fails, the canary's too) says 503 and, idle, probes its engine every ``RETRY_AFTER_S``; each failed
+  probe counts, so it is restarted once it reports ``MAX_FAILED_STEPS`` consecutive failures (reason
+  ``consecutive_failed_steps``, before the ``LIVENESS_S`` timeout of its 503s), within
+  ``FAILED_STEPS_KILL_BOUND_S`` of the break while clients keep sending, and serves exact tokens after;
 * a SIGSTOPped router is killed within ``STOP_KILL_BOUND_S`` and restarted on its port; the new
   router rebuilds its view at start-up (workers from its config, L1/L2 from each worker's
   ``/kv_snapshot``, L3 from a store listing): its prefix index holds what the old one held, a prompt
@@ -52,16 +53,16 @@ LIVENESS_S, PROBE_INTERVAL_S, PROBE_TIMEOUT_S = 3.0, 0.5, 1.0
 HANG_SEED, HANG_S = 4343, 600.0  # the hang outlasts the test: only the restart ends it
 STEP_ERROR_SEED, BREAK_SEED = 4545, 4646  # one failed step; an engine broken for good
 MAX_FAILED_STEPS = 3  # deployment.liveness_max_failed_steps
-# a worker whose steps failed reports 200 again after this (engine.failed_steps_retry_after_s): shorter
-# than LIVENESS_S, so that only the failed-steps limit can restart it (with the default 5 s, 503 outlasted
-# the short timeout of this test and the timeout rule restarted the worker first)
+# an idle worker whose engine failed probes it this often (engine.failed_steps_retry_after_s): short
+# enough that MAX_FAILED_STEPS failed probes come before LIVENESS_S of 503 answers, so that the
+# failed-steps limit restarts it (with the default 5 s the timeout rule would restart it first)
 RETRY_AFTER_S = 0.5
 ROUTER_POLL_S = 0.5  # the router polls each worker's /load this often (WorkerSet's default)
 SLACK_S = 6.0  # a loaded 2-core machine
 STUCK_KILL_BOUND_S = MAX_STEP_S + LIVENESS_S + PROBE_INTERVAL_S + PROBE_TIMEOUT_S + SLACK_S
 STOP_KILL_BOUND_S = LIVENESS_S + PROBE_INTERVAL_S + 2 * PROBE_TIMEOUT_S + SLACK_S
-# two retry windows at most: failures 1-2 before the first 503, the last after it flips back
-FAILED_STEPS_KILL_BOUND_S = 2 * (RETRY_AFTER_S + ROUTER_POLL_S) + PROBE_INTERVAL_S + PROBE_TIMEOUT_S + SLACK_S
+# the break's own failure, then MAX_FAILED_STEPS - 1 probes RETRY_AFTER_S apart, then the supervisor's probe
+FAILED_STEPS_KILL_BOUND_S = MAX_FAILED_STEPS * RETRY_AFTER_S + PROBE_INTERVAL_S + PROBE_TIMEOUT_S + SLACK_S
 READY_BOUND_S = 90.0  # a killed worker serves again within this (backoff + start, loaded machine)
 SETTINGS = {"engine.executor": "modeled", "engine.hardware": GPU, "engine.model_shape": SHAPE, "engine.tp": 1,
             "engine.time_dilation": DILATION, "engine.num_blocks": 4096, "engine.max_prefill_chunk_tokens": 512,
@@ -219,25 +220,27 @@ def _seeded_request_fails(dep, seed: int, prompt_seed: int) -> None:
 
 
 def test_one_bad_request_fails_alone_and_never_restarts_its_worker(dep, tiny_model_dir):
+    """The same bad request, alone, 2 × ``MAX_FAILED_STEPS`` times in a row (the old rule restarted
+    the worker after ``MAX_FAILED_STEPS``): each fails, p0 stays healthy, nothing is restarted."""
     pids, restarts = dep.pids(), _restarts(dep)
-    failed_before = _worker_health(dep, "p0")["num_failed_steps"]
-    _seeded_request_fails(dep, STEP_ERROR_SEED, 2300)
-    h = _worker_health(dep, "p0")
-    assert h["num_failed_steps"] > failed_before, h  # the fault did fire, on p0
-    assert 0 < h["consecutive_failed_steps"] < MAX_FAILED_STEPS, h
-    time.sleep(4 * PROBE_INTERVAL_S + PROBE_TIMEOUT_S)  # probes see the count
-    wait_all_healthy(dep, RETRY_AFTER_S + SLACK_S)  # routable (a count of 2 would say 503 for a while)
+    before = _worker_health(dep, "p0")
+    for i in range(2 * MAX_FAILED_STEPS):
+        _seeded_request_fails(dep, STEP_ERROR_SEED, 2300)
+        h = _worker_health(dep, "p0")
+        assert h["status"] == "ok" and h["consecutive_failed_steps"] == 0, h
+    assert h["num_failed_requests"] >= before["num_failed_requests"] + 2 * MAX_FAILED_STEPS, h  # it fired, on p0
+    assert h["num_failed_steps"] == before["num_failed_steps"], h
+    time.sleep(4 * PROBE_INTERVAL_S + PROBE_TIMEOUT_S)  # the supervisor's probes see it
+    wait_all_healthy(dep, SLACK_S)
     _serves_exact(dep, tiny_model_dir, range(2310, 2312))
-    assert _worker_health(dep, "p0")["consecutive_failed_steps"] == 0  # the next good step reset it
-    time.sleep(2 * PROBE_INTERVAL_S)
     assert dep.pids() == pids and _restarts(dep) == restarts, dep.supervisor_status()
     assert not dep.supervisor_status()["processes"]["p0"]["liveness_restarts"].get("consecutive_failed_steps")
 
 
 def test_worker_whose_steps_keep_failing_is_restarted_and_serves_exact_tokens(dep, tiny_model_dir):
-    """Clients keep sending while p0's engine is broken: the router routes around it while it says
-    503 and back to it when it says 200 again (after RETRY_AFTER_S), each time failing one more step,
-    until the supervisor sees ``MAX_FAILED_STEPS`` and restarts it."""
+    """Clients keep sending while p0's engine is broken: p0 says 503 from the first failed step on
+    (the router has no prefill worker left: clients get errors), probes its idle engine every
+    ``RETRY_AFTER_S``, and the supervisor restarts it once ``MAX_FAILED_STEPS`` failures are reported."""
     old_pid, restarts = dep.pids()["p0"], _restarts(dep)
     t_break = time.monotonic()
     _seeded_request_fails(dep, BREAK_SEED, 2400)

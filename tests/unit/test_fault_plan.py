@@ -25,3 +25,17 @@ def test_break_seed_applies_to_the_named_worker_only_and_each_plan_breaks_alone(
     with pytest.raises(InjectedFault):
         a.check_step([55])
     b.check_step([1])  # another process's plan (a restarted worker) starts unbroken
+
+
+def test_a_timed_break_heals_after_break_s():
+    import time
+
+    from cpd.engine.faults import BREAK_S_ENV
+    plan = FaultPlan.from_env({BREAK_ENV: "55", BREAK_S_ENV: "0.3"})
+    with pytest.raises(InjectedFault):
+        plan.check_step([55])
+    with pytest.raises(InjectedFault, match="broken engine"):
+        plan.check_step([None])  # the canary fails while broken
+    time.sleep(0.35)
+    plan.check_step([None])  # healed
+    plan.check_step([55])  # and it does not break again

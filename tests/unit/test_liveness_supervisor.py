@@ -182,8 +182,9 @@ def _started(tmp_path: Path, **kw) -> Fixture:
 
 
 def test_child_reporting_failed_steps_is_restarted_even_while_it_answers_200(tmp_path):
-    """A worker whose steps keep failing flips back to 200 after its retry_after_s; the count in its
-    /health body gets it restarted (reason consecutive_failed_steps), a count under the limit not."""
+    """A worker may answer 200 while its engine fails (a StepHealth tolerating more than one
+    failure); the count in its /health body gets it restarted (reason consecutive_failed_steps), a
+    count under the limit not."""
     f = _started(tmp_path, policy=dataclasses.replace(POLICY, timeout_s=0.0, max_failed_steps=3))
     try:
         old = f.child.proc
