@@ -204,7 +204,8 @@ class WorkerHealth(msgspec.Struct, frozen=True):
 
     healthy: bool = True
     consecutive_failed_steps: int = 0
-    num_failed_steps: int = 0
+    num_failed_steps: int = 0  # steps the engine itself failed (a canary forward failed too)
+    num_failed_requests: int = 0  # requests the engine finished with "error" (bad requests included)
     last_error: str | None = None
     stuck: bool = False  # the current engine step has run past engine.max_step_s (unhealthy)
     current_step_s: float = 0.0  # how long the current engine step has run (0: none running)
