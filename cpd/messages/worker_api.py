@@ -125,11 +125,13 @@ class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
       ``engine_stuck`` (the worker's own verdict: its current step has run past its
       ``engine.max_step_s``) and ``request_state`` (:data:`RequestState`);
     * ``answer``: the prefill's answer (the last line);
-    * ``error``: the request failed on the worker (the last line)."""
+    * ``error``: the request failed on the worker (the last line); with ``engine_failed`` the
+      worker's engine failed it (its canary forward failed too), not the request: retry elsewhere."""
 
     num_engine_steps: int | None = None
     answer: PrefillResponse | None = None
     error: str | None = None
+    engine_failed: bool = False
     engine_stuck: bool = False
     request_state: RequestState | None = None
 
@@ -245,9 +247,27 @@ class L3Snapshot(msgspec.Struct, frozen=True):
     chunks: list[ChunkKey]
 
 
+class CostPrior(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a worker expects its own costs to be, in wall-clock units (a modeled worker's cost
+    model × its time dilation K): the router prices with these until it has measured the same
+    quantity (:meth:`cpd.router.estimates.CostEstimates.advertise`). ``None``: no expectation.
+
+    - ``prefill_tokens_per_s``: prompt tokens per second of a full prefill step (the engine's
+      token budget in prefill chunks, no cached prefix), the quantity the router's rate EWMA
+      samples (``step_tokens / step_s``).
+    - ``l2_bytes_per_s`` / ``l3_bytes_per_s``: KV load bandwidth from the host pool / the store.
+    - ``source``: where the figures come from (e.g. ``roofline llama-3.1-70b h100 tp1, K=3``)."""
+
+    prefill_tokens_per_s: float | None = None
+    l2_bytes_per_s: float | None = None
+    l3_bytes_per_s: float | None = None
+    source: str = ""
+
+
 class WorkerInfoReport(msgspec.Struct, frozen=True, kw_only=True):
     """Answer of ``GET /info`` (and the worker's ``READY`` line): identity and capacity.
-    ``namespace``: the fields of :class:`cpd.kv.block_hash.Namespace`."""
+    ``namespace``: the fields of :class:`cpd.kv.block_hash.Namespace`. ``cost_prior``: the
+    worker's expected costs (:class:`CostPrior`); ``None`` when it has none (a torch worker)."""
 
     worker_id: str
     role: Role
@@ -256,6 +276,7 @@ class WorkerInfoReport(msgspec.Struct, frozen=True, kw_only=True):
     namespace: dict[str, Any]
     max_model_len: int
     kv_bytes_per_token: int
+    cost_prior: CostPrior | None = None
 
 
 class Ack(msgspec.Struct, frozen=True):
@@ -299,5 +320,5 @@ def encode(msg: Any) -> bytes:
 
 __all__ = ["PrefillRequest", "PrefillResponse", "PrefillLine", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
            "RoleChangeRequest", "RoleChangeResponse", "LoadReport",
-           "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "Ack", "ErrorBody", "HandoffHandle",
+           "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "CostPrior", "Ack", "ErrorBody", "HandoffHandle",
            "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode", "error_code"]

@@ -31,6 +31,7 @@ from cpd.router.background import (BACKGROUND_STALLED, ELASTIC, KV_EVENTS, MAINT
                                    BackgroundTasks, stall_bound_s)
 from cpd.router.api_keys import DEFAULT_OPEN_PATHS, ApiKeyMiddleware, ApiKeys, TenantScopedBackend, current_tenant
 from cpd.router.dispatch import CPDBackend, DispatchTimeouts
+from cpd.router.dispatch_records import publish_cost_model
 from cpd.router.elastic import ElasticRoles, RoleAssignment, apply_role_change
 from cpd.router.errors import error_response
 from cpd.router.estimates import CostEstimates
@@ -77,6 +78,7 @@ class Router:
         self.elastic: ElasticRoles | None = None
         self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token),
                                        fit_prefill=prefill_cost_fit)
+        publish_cost_model(self.metrics, self.estimates.model())  # the workers' cost priors replace it at admission
         self.namespace = namespace
         self.tokenizer_dir = tokenizer_dir
         self.model_name = model_name
@@ -106,11 +108,30 @@ class Router:
         restarted = old_boot_id is not None and w.boot_id != old_boot_id
         if not ok or restarted:
             self.index.drop_worker(w.worker_id)
+        self._adopt_cost_prior(w, ok)
         if ok and restarted:
             log.warning("worker %s restarted (boot id %s -> %s): rebuilding its index entries", w.worker_id,
                         old_boot_id, w.boot_id)
             self._resync_pending.add(w.worker_id)
         return ok
+
+    def _adopt_cost_prior(self, w: WorkerInfo, accepted: bool) -> None:
+        """An accepted worker's advertised costs (``cost_prior`` of its ``/info``) price what the
+        router has not measured yet (:meth:`CostEstimates.advertise`); a worker not accepted
+        withdraws its say."""
+        est = self.estimates
+        before = est.model()
+        if accepted:
+            est.advertise(w.worker_id, w.cost_prior)
+        else:
+            est.forget(w.worker_id)
+        after = est.model()
+        publish_cost_model(self.metrics, after)
+        if after != before:
+            log.info("cost prior from the workers (%s): prefill %.0f tok/s, L2 %.3g B/s, L3 %.3g B/s "
+                     "(measured so far: %s)", (w.cost_prior or {}).get("source") or w.worker_id,
+                     after.prefill_tokens_per_s, after.l2_bytes_per_s, after.l3_bytes_per_s,
+                     ", ".join(sorted(est.measured)) or "nothing")
 
     def _adopt_reported_role(self, w: WorkerInfo, role: str) -> None:
         """A worker checked at admission serves the other prefill-side role than the router's
@@ -254,7 +275,7 @@ class Router:
                                   "reason": w.refusal_reason, "max_model_len": w.max_model_len,
                                   "queued_prefill_tokens": w.queued_prefill_tokens,
                                   "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
-                                  "load": w.last_load,
+                                  "load": w.last_load, "cost_prior": w.cost_prior,
                                   "last_role_change": w.last_role_change}
                     for w in router.workers.by_id.values()}
 

@@ -137,6 +137,8 @@ def record(w: WorkerInfo, reason: str | None, info: dict[str, Any] | None) -> No
         w.boot_id = info.get("boot_id")
         n = info.get("max_model_len")
         w.max_model_len = n if isinstance(n, int) else None
+        prior = info.get("cost_prior")
+        w.cost_prior = prior if isinstance(prior, dict) else None
     new_state = ACCEPTED if reason is None else REFUSED
     if reason is not None and (w.state != REFUSED or w.refusal_reason != reason):
         log.error("refusing worker %s (%s at %s): %s", w.worker_id, w.role, w.url, reason)

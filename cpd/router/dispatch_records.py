@@ -47,7 +47,11 @@ def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision,
     for kind, n in pre.fallback.items():
         m.fallbacks.labels(kind).inc(n)
     observe_prefill(estimates, by_tier, num_prompt_tokens, pre.compute_s or pre.prefill_s, pre.step_tokens, pre.step_s)
-    cm = estimates.model()
+    publish_cost_model(m, estimates.model())
+
+
+def publish_cost_model(m: RouterMetrics, cm: LinearCostModel) -> None:
+    """The cost model's prefill rate and tier bandwidths as the ``cpd_cost_model_*`` gauges."""
     m.cost_prefill_rate.set(cm.prefill_tokens_per_s)
     m.cost_bandwidth.labels(Tier.L2).set(cm.l2_bytes_per_s)
     m.cost_bandwidth.labels(Tier.L3).set(cm.l3_bytes_per_s)

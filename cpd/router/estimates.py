@@ -24,11 +24,19 @@ report (:meth:`CostEstimates.model`):
   :data:`MAX_FIT_RMS_REL_ERROR`) the rate follows the EWMA; after that the prefill terms change
   only by refits, and a rejected refit keeps the last one.
 * **Bandwidth per tier** (L2, L3): EWMA of measured bytes / seconds.
+
+**Start.** Until a quantity is measured, it is what the workers advertise (the ``cost_prior`` of
+their ``GET /info``, :mod:`cpd.costmodel.prior`: a modeled worker's cost model × its time
+dilation), averaged over the workers that advertise it (:meth:`CostEstimates.advertise`); the
+configured ``initial`` value only when none does. The first measurement of a quantity continues
+from that prior (it is the EWMA's old value) and ends the workers' say on it: later
+advertisements (a worker that joins or restarts) no longer move a measured quantity.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
+from typing import Mapping
 
 from cpd.costmodel.calibrated import fit_linear, prefill_features
 from cpd.policy.routing import LinearCostModel
@@ -40,6 +48,9 @@ REFIT_EVERY = 8
 MAX_FIT_RMS_REL_ERROR = 0.5
 MIN_PREFILL_TOKENS = 16
 """Smaller prefills are not observed (their time is mostly noise)."""
+ADVERTISED_FIELDS = ("prefill_tokens_per_s", "l2_bytes_per_s", "l3_bytes_per_s")
+"""The :class:`~cpd.policy.routing.LinearCostModel` fields a worker's ``cost_prior`` may set
+(the names of :class:`cpd.messages.worker_api.CostPrior`'s figures)."""
 
 
 def prefill_rate_sample(num_computed_tokens: int, compute_s: float, step_tokens: int | None,
@@ -56,11 +67,47 @@ class CostEstimates:
 
     def __init__(self, initial: LinearCostModel, alpha: float = 0.2, fit_prefill: bool = False):
         self._m = initial
+        self._initial = initial
         self.alpha = alpha
         self.fit_prefill = fit_prefill
         self._prefills: deque[tuple[int, int, float]] = deque(maxlen=MAX_PREFILL_OBSERVATIONS)
         self._since_fit = 0
         self.fit_rms_rel_error: float | None = None  # of the fit in use (None: EWMA only so far)
+        self._advertised: dict[str, dict[str, float]] = {}  # worker id -> field -> advertised value
+        self.measured: set[str] = set()  # LinearCostModel fields set by a measurement so far
+
+    def advertise(self, worker_id: str, values: Mapping[str, float | None] | None) -> None:
+        """``worker_id`` expects these costs (``prefill_tokens_per_s``, ``l2_bytes_per_s``,
+        ``l3_bytes_per_s``; wall-clock; a ``None`` value or ``values=None``: no expectation, also
+        withdraws an earlier one). Each field not measured yet becomes the mean over the workers
+        that advertise it, or the ``initial`` value when none does."""
+        clean = {f: float(v) for f, v in (values or {}).items()
+                 if f in ADVERTISED_FIELDS and v is not None and v > 0}
+        if clean:
+            self._advertised[worker_id] = clean
+        else:
+            self._advertised.pop(worker_id, None)
+        self._apply_advertised()
+
+    def forget(self, worker_id: str) -> None:
+        """``worker_id`` left (refused, removed): its advertisement no longer counts."""
+        if self._advertised.pop(worker_id, None) is not None:
+            self._apply_advertised()
+
+    def prior(self, name: str) -> float:
+        """The start value of field ``name`` now: the advertised mean, else the initial value."""
+        vals = [a[name] for a in self._advertised.values() if name in a]
+        return sum(vals) / len(vals) if vals else float(getattr(self._initial, name))
+
+    def _apply_advertised(self) -> None:
+        m, todo = self._m, set(ADVERTISED_FIELDS) - self.measured
+        if "prefill_tokens_per_s" in todo:
+            m = replace(m, prefill_tokens_per_s=self.prior("prefill_tokens_per_s"))
+        if "l2_bytes_per_s" in todo:
+            m = replace(m, l2_bytes_per_s=self.prior("l2_bytes_per_s"))
+        if "l3_bytes_per_s" in todo:
+            m = replace(m, l3_bytes_per_s=self.prior("l3_bytes_per_s"))
+        self._m = m
 
     def _ewma(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -81,6 +128,7 @@ class CostEstimates:
         if self.fit_rms_rel_error is None:
             rate = prefill_rate_sample(num_computed_tokens, compute_s, step_tokens, step_s)
             self._m = replace(self._m, prefill_tokens_per_s=self._ewma(self._m.prefill_tokens_per_s, rate))
+            self.measured.add("prefill_tokens_per_s")
 
     def _refit(self) -> bool:
         """Fit the prefill terms to the window; True when the fit was adopted."""
@@ -94,6 +142,7 @@ class CostEstimates:
             return False
         self._m = replace(self._m, prefill_overhead_s=a, prefill_tokens_per_s=1.0 / b, attn_coeff=c / b)
         self.fit_rms_rel_error = float(stats["rms_rel_error"])
+        self.measured.add("prefill_tokens_per_s")
         return True
 
     def observe_transfer(self, tier: str, num_bytes: int, seconds: float) -> None:
@@ -103,8 +152,10 @@ class CostEstimates:
         bw = num_bytes / seconds
         if tier == "L2":
             self._m = replace(self._m, l2_bytes_per_s=self._ewma(self._m.l2_bytes_per_s, bw))
+            self.measured.add("l2_bytes_per_s")
         elif tier == "L3":
             self._m = replace(self._m, l3_bytes_per_s=self._ewma(self._m.l3_bytes_per_s, bw))
+            self.measured.add("l3_bytes_per_s")
 
     def model(self) -> LinearCostModel:
         return self._m

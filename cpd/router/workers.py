@@ -41,7 +41,8 @@ class WorkerInfo:
         state: ``unchecked`` | ``accepted`` | ``refused`` — the compatibility verdict
             (:mod:`cpd.router.compat`); only an accepted, healthy worker is routed to.
         refusal_reason: why it is refused (``None`` otherwise).
-        boot_id, max_model_len: as its ``GET /info`` last reported them.
+        boot_id, max_model_len, cost_prior: as its ``GET /info`` last reported them
+            (``cost_prior``: :class:`cpd.messages.worker_api.CostPrior` as JSON values, or None).
         last_role_change: the last role change the router saw (``{"from_role", "to_role",
             "reason", "at_unix_s"}``), None if none.
         role_epoch: bumped by every role change; a ``/load`` answer to a poll sent before the
@@ -63,6 +64,7 @@ class WorkerInfo:
     refusal_reason: str | None = None
     boot_id: str | None = None
     max_model_len: int | None = None
+    cost_prior: dict | None = None
     last_role_change: dict | None = None
     role_epoch: int = 0
 

@@ -52,8 +52,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cpd.costmodel.prior import cost_prior
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
-from cpd.messages.worker_api import (Ack, AppendRequest, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot,
+from cpd.messages.worker_api import (Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot,
                                      L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillLine,
                                      PrefillRequest, PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
                                      WorkerInfoReport, decode_body, encode)
@@ -144,7 +145,26 @@ def worker_report(st: WorkerState) -> WorkerInfoReport:
     return WorkerInfoReport(worker_id=st.worker_id, role=st.role, boot_id=st.boot_id,
                             model_name=getattr(st, "model_name", ""),
                             namespace=dataclasses.asdict(st.engine.namespace),
-                            max_model_len=st.engine.max_model_len, kv_bytes_per_token=st.engine.kv_bytes_per_token)
+                            max_model_len=st.engine.max_model_len, kv_bytes_per_token=st.engine.kv_bytes_per_token,
+                            cost_prior=engine_cost_prior(st.engine, has_l3=st.connector is not None))
+
+
+def engine_cost_prior(engine, has_l3: bool = True) -> CostPrior | None:
+    """The costs ``engine`` expects (:func:`cpd.costmodel.prior.cost_prior`) when its executor
+    times steps with a cost model (the modeled executor: ``cost_model`` × ``time_dilation``);
+    None otherwise (the torch executor measures, it does not model). ``has_l3``: False drops the
+    L3 bandwidth (a worker without a store never loads from it)."""
+    executor = getattr(engine, "executor", None)
+    cm = getattr(executor, "cost_model", None)
+    if cm is None or not hasattr(cm, "step_time_s"):
+        return None
+    k = float(getattr(executor, "time_dilation", 1.0))
+    sc = engine.scheduler_config
+    what = [getattr(getattr(cm, a, None), "name", None) for a in ("model", "gpu")]
+    source = " ".join([type(cm).__name__, *(w for w in what if w), f"tp={getattr(cm, 'tp', 1)}", f"K={k:g}"])
+    prior = cost_prior(cm, time_dilation=k, max_num_batched_tokens=sc.max_num_batched_tokens,
+                       max_prefill_chunk_tokens=sc.max_prefill_chunk_tokens, source=source)
+    return prior if has_l3 else msgspec.structs.replace(prior, l3_bytes_per_s=None)
 
 
 def worker_info(st: WorkerState) -> dict[str, Any]:
@@ -338,8 +358,10 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
         return StreamingResponse(_prefill_lines(st, rid, stream, request, t0), media_type="application/x-ndjson")
     try:
         return _reply(await _prefill_and_stage(st, rid, stream, request, t0))
-    except RuntimeError as e:  # the engine failed this step
+    except RuntimeError as e:  # the engine failed this request (or itself: 503, retry elsewhere)
         _drop_prefill(st, rid)
+        if getattr(e, "engine_failed", False):
+            return _error(str(e), 503, ENGINE_FAILED)
         return _error(str(e), 500)
     except Exception as e:  # staging the handoff failed (or a bug): this request only, with its cause
         _drop_prefill(st, rid)
@@ -371,9 +393,9 @@ async def _prefill_lines(st: WorkerState, rid: str, stream, request: Request, t0
                 yield encode(PrefillLine(**_progress_fields(st, rid))) + b"\n"
         try:
             line = PrefillLine(answer=task.result())
-        except RuntimeError as e:  # the engine failed this step
+        except RuntimeError as e:  # the engine failed this request (or itself: engine_failed)
             _drop_prefill(st, rid)
-            line = PrefillLine(error=str(e))
+            line = PrefillLine(error=str(e), engine_failed=getattr(e, "engine_failed", False))
         except Exception as e:  # staging the handoff failed (or a bug): an error line, not a cut-off body
             _drop_prefill(st, rid)
             log.exception("prefill %s failed", rid)
