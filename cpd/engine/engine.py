@@ -126,6 +126,7 @@ class StepOutput:
     num_cached_tokens_by_tier: dict[str, int] | None = None
     queue_s: float | None = None
     error: str | None = None
+    engine_failed: bool = False  # with "error": the engine failed (its canary too), not this request
     step_tokens: int | None = None
     step_s: float | None = None
 
@@ -866,13 +867,15 @@ class Engine:
         r.l3_next = upto
 
     # ------------------------------------------------------------------ failures
-    def _fail(self, r: _Req, exc: BaseException, where: str) -> None:
+    def _fail(self, r: _Req, exc: BaseException, where: str, engine_failed: bool = False) -> None:
         """Finish one request with ``"error"`` and free its blocks; the others go on
-        (the request must already be out of the waiting / running queues)."""
+        (the request must already be out of the waiting / running queues). ``engine_failed``: the
+        engine, not the request, was at fault (a caller may retry it elsewhere)."""
         log.warning("request %s failed in %s: %r", r.id, where, exc, exc_info=exc)
         self.num_failed_requests += 1
         self._free(r)
-        self._pending_outputs.append(StepOutput(r.id, [], True, "error", error=f"{where}: {exc!r}"))
+        self._pending_outputs.append(StepOutput(r.id, [], True, "error", error=f"{where}: {exc!r}",
+                                                engine_failed=engine_failed))
 
     def _fail_step(self, reqs: list[_Req], exc: BaseException) -> None:
         """The model forward failed: fail the requests it scheduled (their KV for this step may
@@ -882,7 +885,7 @@ class Engine:
         ids = {r.id for r in reqs}
         self._running = [r for r in self._running if r.id not in ids]
         for r in reqs:
-            self._fail(r, exc, "step")
+            self._fail(r, exc, "step", engine_failed=True)
 
     def _write_through_guarded(self, r: _Req) -> None:
         """Write-through is a side effect for later requests: if it breaks (beyond the store
@@ -977,17 +980,17 @@ class Engine:
         culprits = isolate(sched, exc, self._try_forward)
         log.warning("engine step failed (%r); %d of its %d requests fail on their own", exc, len(culprits),
                     len(sched))
+        probe_error = self._canary() if len(culprits) == len(sched) else None
+        if probe_error is not None:
+            log.error("the engine fails a canary forward too (%r): a failed step", probe_error)
+            self._fail_step([r for r, _ in sched], exc)
+            return [], None
         bad = {sched[i][0].id for i in culprits}
         self._running = [r for r in self._running if r.id not in bad]
         for i, e in culprits.items():
             self._fail(sched[i][0], e, "forward")
         good = [(r, n) for r, n in sched if r.id not in bad]
         if not good:
-            probe_error = self._canary()
-            if probe_error is not None:
-                self.num_failed_steps += 1
-                self.last_step_error = exc
-                log.error("the engine fails a canary forward too (%r): a failed step", probe_error)
             return [], None
         try:
             return good, self._run_forward(good)

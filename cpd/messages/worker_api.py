@@ -115,6 +115,9 @@ ahead, or for KV blocks), running (admitted, computed each step it is scheduled)
 prefill is done, its KV kept for the handoff)."""
 
 
+ENGINE_FAILED = "engine_failed"  # error code: the worker's engine failed (not the request); retry elsewhere
+
+
 class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
     """One NDJSON line of ``POST /prefill`` with ``stream_progress``: exactly one of
 

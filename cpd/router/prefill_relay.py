@@ -5,7 +5,9 @@ a prefill that keeps progressing runs to its end however long it is; a worker th
 lines (SIGSTOP, crash, cut link) or whose engine stops stepping fails the call with
 :class:`PrefillStalled` within the idle / stall bound, so the caller retries elsewhere; so does a
 worker that says its engine is stuck (``engine_stuck`` on a progress line, or a 503
-``engine_stuck`` refusal), at once.
+``engine_stuck`` refusal), at once, and one whose engine failed this request without the request
+being at fault (an error line with ``engine_failed``, or a 503 ``engine_failed``: the engine's canary
+forward failed too).
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from cpd.messages.worker_api import (MalformedBody, PrefillLine, PrefillRequest, PrefillResponse, decode_body, encode,
-                                     error_code)
+from cpd.messages.worker_api import (ENGINE_FAILED, MalformedBody, PrefillLine, PrefillRequest, PrefillResponse,
+                                     decode_body, encode, error_code)
 from cpd.router.protocol import BackendError
 from cpd.router.timeouts import DispatchTimeouts
 
@@ -35,7 +37,7 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
     Raises:
         PrefillStalled: no line within ``prefill_idle_s`` (headers included, plus ``connect_s``),
             no engine step within ``prefill_stall_s``, no answer within ``prefill_cap_s``, or the
-            worker says its engine is stuck.
+            worker says its engine is stuck or failed.
         httpx.TransportError: connection refused or reset, or the stream ended without an answer.
         BackendError: 502 for a refusal (non-200), an error line or a malformed line."""
     sent_s = time.monotonic()
@@ -52,7 +54,7 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
     try:
         if r.status_code != 200:
             raw = await r.aread()
-            if error_code(raw) == "engine_stuck":  # the worker failed: the caller retries elsewhere
+            if error_code(raw) in ("engine_stuck", ENGINE_FAILED):  # the worker failed: the caller retries elsewhere
                 raise PrefillStalled(f"{worker_id} refused: {raw[:200].decode(errors='replace')}")
             raise BackendError(f"prefill worker {worker_id} error: {raw[:200].decode(errors='replace')}", 502,
                                "server_error")
@@ -88,6 +90,8 @@ async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s:
             raise BackendError(f"prefill worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
         if msg.answer is not None:
             return msg.answer
+        if msg.error is not None and msg.engine_failed:  # the worker's engine, not the request: retry elsewhere
+            raise PrefillStalled(f"{worker_id}: its engine failed ({msg.error})")
         if msg.error is not None:
             raise BackendError(f"prefill worker {worker_id} error: {msg.error}", 502, "server_error")
         if msg.engine_stuck:

@@ -39,7 +39,13 @@ from cpd.kv.event_bus import EventPublisher
 
 
 class RequestFailed(RuntimeError):
-    """Delivered on a request's stream when the engine failed that request."""
+    """Delivered on a request's stream when the engine failed that request. ``engine_failed``:
+    the engine itself was at fault (its canary forward failed too), not the request: the caller
+    may retry it on another worker."""
+
+    def __init__(self, message: str, engine_failed: bool = False):
+        super().__init__(message)
+        self.engine_failed = engine_failed
 
 
 @dataclass
@@ -327,7 +333,8 @@ class EngineRunner:
                 continue
             item = out
             if out.finish_reason == "error":
-                item = RequestFailed(getattr(out, "error", None) or "request failed in the engine")
+                item = RequestFailed(getattr(out, "error", None) or "request failed in the engine",
+                                     engine_failed=getattr(out, "engine_failed", False))
             self._put(out.request_id, s, item)
 
     def _fail_all(self, exc: BaseException) -> None:

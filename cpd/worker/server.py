@@ -54,12 +54,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cpd.costmodel.prior import cost_prior
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
+from cpd.messages.worker_api import ENGINE_FAILED
 from cpd.messages.worker_api import (Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest, ErrorBody, KvSnapshot,
                                      L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillLine,
                                      PrefillRequest, PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
                                      WorkerInfoReport, decode_body, encode)
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
-from cpd.worker.runtime import DuplicateRequestId, EngineRunner
+from cpd.worker.runtime import DuplicateRequestId, EngineRunner, RequestFailed
 
 log = logging.getLogger("cpd.worker")
 
@@ -191,7 +192,7 @@ async def _next_output(stream, request: Request, heartbeat_s: float | None = Non
                 return None
             continue
         if isinstance(item, BaseException):
-            raise RuntimeError(f"engine failed: {item!r}")
+            raise RequestFailed(f"engine failed: {item!r}", engine_failed=getattr(item, "engine_failed", False))
         return item
 
 

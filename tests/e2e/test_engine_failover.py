@@ -1,0 +1,103 @@
+"""A worker whose engine fails (not a request: its canary forward fails too) while clients send
+(real router, real modeled worker processes, real HTTP; ``pd`` with two prefill workers, the fault
+in ``p0`` only: ``CPD_FAULT_WORKER``).
+
+* The request that meets the broken engine is not lost: ``p0`` answers its prefill with
+  ``engine_failed`` and the router retries it on ``p1``; the client gets 200 and exact tokens.
+* ``p0`` says 503 from that step on, the router routes around it, and idle it probes its own engine
+  every ``RETRY_AFTER_S``; the break heals after ``BREAK_S`` (a transient device fault), a probe runs,
+  ``p0`` says 200 and is routed to again. No client request is ever the probe.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from cpd.engine.engine import Engine, SamplingParams
+from cpd.engine.executor_modeled import build_modeled_executor
+from cpd.engine.faults import BREAK_ENV, BREAK_S_ENV, WORKER_ENV
+from deploy_util import assert_no_leaks, random_prompt, routing_record, start
+
+SHAPE, GPU = "llama-3.1-8b", "b200"
+BREAK_SEED, BREAK_S = 4747, 4.0
+RETRY_AFTER_S = 0.5  # engine.failed_steps_retry_after_s: an idle failed engine probes this often
+SETTINGS = {"engine.executor": "modeled", "engine.hardware": GPU, "engine.model_shape": SHAPE, "engine.tp": 1,
+            "engine.time_dilation": 10.0, "engine.num_blocks": 2048, "handoff.arena_bytes": 16 << 20,
+            "engine.failed_steps_retry_after_s": RETRY_AFTER_S}
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=2, num_decode=1, settings=SETTINGS,
+              extra_env={BREAK_ENV: str(BREAK_SEED), BREAK_S_ENV: str(BREAK_S), WORKER_ENV: "p0"})
+    yield d
+    d.stop()
+
+
+def _oracle(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
+    eng = Engine(None, num_blocks=1024, executor=build_modeled_executor(SHAPE, GPU, 1, served_model_dir=model_dir))
+    return eng.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _post(dep, prompt: list[int], **sampling) -> httpx.Response:
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **sampling}
+    return httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
+
+
+def _health(dep) -> dict[str, dict]:
+    return {w["worker_id"]: httpx.get(f"{w['url']}/health", timeout=5).json() for w in dep.workers}
+
+
+def _router_view(dep) -> dict[str, bool]:
+    return {wid: w["healthy"] for wid, w in httpx.get(f"{dep.url}/cpd/workers", timeout=5).json().items()}
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_a_broken_engine_loses_no_request_is_routed_around_and_comes_back(dep, tiny_model_dir):
+    # The trigger request goes wherever the router sends it; send new ones until p0 has met it.
+    t_break = None
+    for i in range(8):
+        prompt = random_prompt(3000 + i, 200)
+        r = _post(dep, prompt, temperature=0.5, seed=BREAK_SEED)
+        assert r.status_code == 200, r.text  # never lost: retried on p1 when p0's engine failed it
+        assert r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
+        if _health(dep)["p0"]["num_failed_steps"] > 0:
+            t_break = time.monotonic()
+            assert routing_record(dep, r.json()["id"])["prefill_worker"] == "p1"
+            break
+    assert t_break is not None, "p0 never met the trigger"
+    h = _health(dep)["p0"]
+    assert h["status"] == "error" and h["num_failed_requests"] >= 1, h
+    _wait_for(lambda: _router_view(dep)["p0"] is False, 10, "the router to mark p0 unhealthy")
+    served_meanwhile = []
+    while time.monotonic() - t_break < BREAK_S - 1.0:  # p0 still broken: everything goes to p1
+        prompt = random_prompt(3100 + len(served_meanwhile), 200)
+        r = _post(dep, prompt)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
+        served_meanwhile.append(routing_record(dep, r.json()["id"])["prefill_worker"])
+        time.sleep(0.2)
+    assert served_meanwhile and set(served_meanwhile) == {"p1"}, served_meanwhile
+    failed_probes = _health(dep)["p0"]["consecutive_failed_steps"]
+    assert failed_probes >= 2, failed_probes  # the idle worker probed its own engine, and it failed
+    _wait_for(lambda: _health(dep)["p0"]["status"] == "ok", BREAK_S + 4 * RETRY_AFTER_S + 10, "p0 to heal")
+    _wait_for(lambda: _router_view(dep)["p0"] is True, 10, "the router to route to p0 again")
+    assert _health(dep)["p0"]["num_failed_requests"] == h["num_failed_requests"]  # no client request was a probe
+    routed = []
+    for i in range(6):
+        prompt = random_prompt(3200 + i, 200)
+        r = _post(dep, prompt)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
+        routed.append(routing_record(dep, r.json()["id"])["prefill_worker"])
+    assert "p0" in routed, routed
+    assert_no_leaks(dep)
