@@ -50,10 +50,21 @@ def _byte_level_unicode_table() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_unicode_table()
 
 
+_NO_DECODER_ATTR = object()
+
+
 def _is_byte_level(hf: Any) -> bool:
+    """Is ``hf``'s ``tokenizers`` decoder ``ByteLevel``? Read from the decoder object (O(1));
+    serialising the whole tokenizer to JSON to read one field took 0.26 s for SmolLM2's 1.5 MB
+    tokenizer (more under load), which the first request of a router paid before it reached a
+    worker (docs/results/modeled_ordering/README.md, "Session 12"). The JSON route stays for a
+    backend without a ``decoder`` attribute."""
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         return False
+    dec_obj = getattr(backend, "decoder", _NO_DECODER_ATTR)
+    if dec_obj is not _NO_DECODER_ATTR:
+        return dec_obj is not None and type(dec_obj).__name__ == "ByteLevel"
     try:
         dec = json.loads(backend.to_str()).get("decoder") or {}
     except Exception:
@@ -113,6 +124,12 @@ def _byte_table_for(tok: Any) -> _ByteTable | None:
     except AttributeError:
         pass
     return table
+
+
+def prepare_detokenizer(tokenizer: Any) -> None:
+    """Do the per-tokenizer work of :class:`IncrementalDetokenizer` now (the byte-level check and
+    its shared byte table) rather than in the first request; the router calls it at start-up."""
+    _byte_table_for(tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -233,4 +250,4 @@ class StopStringMatcher:
         return "" if self.stopped else out
 
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "prepare_detokenizer"]

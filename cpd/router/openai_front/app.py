@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cpd.router.detokenize import prepare_detokenizer
 from cpd.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_response, type_for_status
 from cpd.router.openai_front.front import OpenAIFront, backend_error_response
 from cpd.router.openai_front.models import ChatCompletionRequest, CompletionRequest
@@ -46,6 +47,7 @@ def create_app(backend: GenerationBackend, tokenizer_dir: str, model_name: str,
     The :class:`OpenAIFront` is available as ``app.state.front``.
     """
     tok = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
+    prepare_detokenizer(tok)  # its one-time work at start-up, not in the first request's TTFT
     front = OpenAIFront(backend, tok, model_name, max_model_len, vocab_size, max_request_body_bytes)
     app = FastAPI(title="cpd router", version="0.1.0", openapi_url="/openapi.json", docs_url=None,
                   redoc_url=None)
