@@ -164,7 +164,8 @@ class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):
     """One NDJSON line of ``POST /decode`` or ``POST /append``: new tokens, the finish reason on
-    the last one, or ``error`` (the request failed on the worker). The first line of an append
+    the last one, or ``error`` (the request failed on the worker; with ``engine_failed`` its engine
+    failed, not the request: retry elsewhere). The first line of an append
     also carries ``num_cached_tokens_by_tier`` (prompt tokens whose KV came from each tier) and
     ``queue_s`` (seconds the request waited in the engine).
 
@@ -177,6 +178,7 @@ class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):
     token_ids: list[int] = []
     finish_reason: str | None = None
     error: str | None = None
+    engine_failed: bool = False
     num_cached_tokens_by_tier: dict[Tier, int] | None = None
     queue_s: float | None = None
     num_engine_steps: int | None = None

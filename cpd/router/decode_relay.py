@@ -31,7 +31,7 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 class DecodeFailed(Exception):
     """A decode attempt failed in a way a retry can fix: the worker failed (transport error,
-    timeout) or the staging is gone (``handoff_lost``: re-prefill)."""
+    timeout, stuck or failed engine) or the staging is gone (``handoff_lost``: re-prefill)."""
 
     def __init__(self, msg: str, worker_failed: bool = False, handoff_lost: bool = False):
         super().__init__(msg)
@@ -107,6 +107,8 @@ async def _lines(r: httpx.Response, timeouts: DispatchTimeouts, worker_id: str,
             msg = decode_body(line.encode(), DecodeLine)
         except MalformedBody as e:
             raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
+        if msg.error is not None and msg.engine_failed:  # its engine, not the request: retry elsewhere
+            raise DecodeFailed(f"{worker_id}: its engine failed ({msg.error})", worker_failed=True)
         if msg.error is not None:
             raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
         if msg.is_heartbeat:

@@ -606,8 +606,8 @@ async def _ndjson_lines(st: WorkerState, rid: str, stream, request: Request, fir
                 if first_line is not None:
                     line = first_line(out, line)
             yield encode(line) + b"\n"
-    except RuntimeError as e:
-        yield encode(DecodeLine(error=str(e))) + b"\n"
+    except RuntimeError as e:  # the engine failed this request (or itself: engine_failed)
+        yield encode(DecodeLine(error=str(e), engine_failed=getattr(e, "engine_failed", False))) + b"\n"
     finally:
         if not finished:
             st.runner.abort(rid)

@@ -1,12 +1,14 @@
 """A worker whose engine fails (not a request: its canary forward fails too) while clients send
 (real router, real modeled worker processes, real HTTP; ``pd`` with two prefill workers, the fault
-in ``p0`` only: ``CPD_FAULT_WORKER``).
+in ``p0`` only: ``CPD_FAULT_WORKER``; then ``pd`` with two decode workers, the fault in ``d0``).
 
 * The request that meets the broken engine is not lost: ``p0`` answers its prefill with
   ``engine_failed`` and the router retries it on ``p1``; the client gets 200 and exact tokens.
 * ``p0`` says 503 from that step on, the router routes around it, and idle it probes its own engine
   every ``RETRY_AFTER_S``; the break heals after ``BREAK_S`` (a transient device fault), a probe runs,
   ``p0`` says 200 and is routed to again. No client request is ever the probe.
+* On the decode side the same: the decode that meets ``d0``'s broken engine before its first decoded
+  token is retried on ``d1`` from the same staging; the client gets 200 and exact tokens.
 """
 from __future__ import annotations
 
@@ -28,10 +30,18 @@ SETTINGS = {"engine.executor": "modeled", "engine.hardware": GPU, "engine.model_
             "engine.failed_steps_retry_after_s": RETRY_AFTER_S}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dep(tiny_model_dir):
     d = start(tiny_model_dir, "pd", num_prefill=2, num_decode=1, settings=SETTINGS,
               extra_env={BREAK_ENV: str(BREAK_SEED), BREAK_S_ENV: str(BREAK_S), WORKER_ENV: "p0"})
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def dep_decode(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=2, settings=SETTINGS,
+              extra_env={BREAK_ENV: str(BREAK_SEED), WORKER_ENV: "d0"})
     yield d
     d.stop()
 
@@ -100,4 +110,24 @@ def test_a_broken_engine_loses_no_request_is_routed_around_and_comes_back(dep, t
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
         routed.append(routing_record(dep, r.json()["id"])["prefill_worker"])
     assert "p0" in routed, routed
+    assert_no_leaks(dep)
+
+
+def test_a_decode_that_meets_a_broken_engine_is_retried_on_another_decode_worker(dep_decode, tiny_model_dir):
+    dep = dep_decode
+    for i in range(8):
+        prompt = random_prompt(3300 + i, 200)
+        r = _post(dep, prompt, temperature=0.5, seed=BREAK_SEED)
+        assert r.status_code == 200, r.text  # never lost: d0's engine failed it, d1 decoded it
+        assert r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
+        if _health(dep)["d0"]["num_failed_steps"] > 0:
+            assert routing_record(dep, r.json()["id"])["decode_worker"] == "d1", routing_record(dep, r.json()["id"])
+            break
+    else:
+        raise AssertionError("d0 never met the trigger")
+    assert _health(dep)["d0"]["status"] == "error"
+    _wait_for(lambda: _router_view(dep)["d0"] is False, 10, "the router to mark d0 unhealthy")
+    prompt = random_prompt(3400, 200)
+    r = _post(dep, prompt)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
     assert_no_leaks(dep)
