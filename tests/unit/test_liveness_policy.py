@@ -126,16 +126,16 @@ STEPS = LivenessPolicy(timeout_s=30.0, probe_interval_s=5.0, probe_timeout_s=2.0
 
 
 def _health(at_s: float, failed_steps: int, status: int | None = None) -> ProbeResult:
-    """A worker's /health answer as the probe reads it: 503 while its failures are recent (the
-    worker's ``retry_after_s``), 200 once idle for that long, the count in both."""
+    """A worker's /health answer as the probe reads it: 503 from 2 failures on unless ``status``
+    says otherwise (a worker may answer 200 while it counts failures), the count in both."""
     code = status if status is not None else (503 if failed_steps >= 2 else 200)
     return classify_health(code, {"healthy": code == 200, "stuck": False, "consecutive_failed_steps": failed_steps},
                            at_s)
 
 
 def test_a_worker_whose_steps_keep_failing_is_restarted_although_it_flaps_back_to_200():
-    """The worker says 200 again after ``retry_after_s`` (the router retries it), so the probes
-    alternate and the timeout never fires; the count it reports does."""
+    """A worker whose answers alternate between 503 and 200 (so the timeout never fires) is
+    restarted by the count it reports."""
     st = _ready_state(STEPS)
     probes = [_health(200.0, 1), _health(205.0, 2), _health(210.0, 2, 200), _health(215.0, 3),
               _health(220.0, 3, 200), _health(225.0, 4)]
@@ -150,8 +150,8 @@ def test_the_count_restarts_even_when_the_probe_itself_says_200():
 
 
 def test_one_bad_request_never_restarts_a_worker():
-    """One bad request fails the step that scheduled it (count 1) and the next good step resets the
-    count; bad requests with good steps between them never add up."""
+    """Counts that go back to 0 between failures never add up (today's worker does not even count a
+    bad request: the engine's canary forward runs, cpd.engine.isolation)."""
     st = _ready_state(STEPS)
     probes = []
     for i in range(200):
