@@ -456,26 +456,46 @@ class CPDBackend:
         a decode worker that failed (transport error, timeout) is excluded and the same staging
         is fetched by another one; a staging that is gone (stale, sender unreachable) is
         re-prefilled. The tokens already sent (``pre.answer.token_ids``) stay: only the KV of the
-        prompt is recomputed. After a decoded token, a failure ends the request with an error."""
+        prompt is recomputed. After a decoded token, a failed worker's request is *migrated* up to
+        ``timeouts.max_decode_migrations`` times (:meth:`_migrate`: the prompt and every token
+        sent so far are re-prefilled, decoding goes on elsewhere with the same sampling state);
+        past that, or for any other failure, it ends with an error."""
         token_ids, num_generated = pre.answer.token_ids or [], len(pre.answer.first_token_ids)
         decode_worker, staged = pre.decision.decode_worker, pre
         assert decode_worker is not None  # decide() refuses decisions without one
-        sent = False
+        sent = False  # this staging was decoded from (the client has tokens of it)
+        decoded: list[int] = []  # tokens decoded from this staging
+        migrations = 0
         try:
-            for attempt in range(self.timeouts.max_decode_attempts):
+            for attempt in range(self.timeouts.max_decode_attempts + self.timeouts.max_decode_migrations):
                 try:
                     async with aclosing(self._decode(run, decode_worker, staged, token_ids, num_generated)) as chunks:
                         async for chunk in chunks:
                             sent = True
+                            decoded.extend(chunk.token_ids)
                             yield chunk
                     return
                 except DecodeFailed as e:
                     if e.worker_failed:
                         self.workers.mark_unhealthy(decode_worker)  # the poller restores it if it answers
                         run.excluded.add(decode_worker)
-                    if sent:
+                    if sent and (not e.worker_failed or migrations >= self.timeouts.max_decode_migrations):
                         raise BackendError(f"decode worker {decode_worker} failed mid-stream: {e}", 502,
                                            "server_error") from e
+                    if sent:  # migrate: the failed worker had the staging; a new one holds the tokens so far
+                        migrations += 1
+                        token_ids, num_generated = token_ids + decoded, num_generated + len(decoded)
+                        decoded, sent = [], False
+                        log.warning("decode of %s on %s failed after %d tokens (%s); migrating", run.req.request_id,
+                                    decode_worker, num_generated, e)
+                        staged = await self._migrate(run, token_ids)
+                        decode_worker = pick_decode(self._snapshots(run.excluded), self.index.match(staged.hashes),
+                                                    len(token_ids), self.cfg)
+                        self.recent.note_decode_retry(run.req.request_id, decode_worker, run.reprefills, str(e))
+                        if decode_worker is None:
+                            raise BackendError(f"decode failed mid-stream ({e}); no other healthy decode worker", 503,
+                                               "service_unavailable", retry_after_s=1) from e
+                        continue
                     log.warning("decode of %s on %s failed before its first token (%s); attempt %d",
                                 run.req.request_id, decode_worker, e, attempt)
                     self.metrics.fallbacks.labels("decode_retry").inc()
@@ -494,6 +514,18 @@ class CPDBackend:
         finally:
             if not sent:  # never decoded from it: nobody else will release it
                 self._release_handoff(staged.handoff)
+
+    async def _migrate(self, run: _Run, token_ids: list[int]) -> _Prefilled:
+        """A new staging for a decode that failed mid-stream: the KV of ``token_ids[:-1]`` (the
+        prompt and every token sent but the last, which is the next decode input) recomputed on
+        a prefill worker, its cached prefix loaded as for any prompt (:meth:`_reprefill`)."""
+        self.metrics.fallbacks.labels("decode_migration").inc()
+        moved = _Run(replace(run.req, prompt_token_ids=token_ids[:-1]))
+        moved.excluded, moved.calls, moved.t0 = run.excluded, run.calls, run.t0
+        try:
+            return await self._reprefill(moved)
+        finally:
+            run.calls, run.reprefills = moved.calls, run.reprefills + moved.reprefills
 
     async def _reprefill(self, run: _Run) -> _Prefilled:
         """Recompute the prompt's KV for a new staging. Its sampled token is discarded (the

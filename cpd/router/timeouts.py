@@ -55,7 +55,8 @@ class DispatchTimeouts:
     ``connect_s`` for the response headers), whatever the prompt's length.
 
     Worst case for one request: ``max_prefill_attempts`` prefill bounds, then per decode attempt
-    the first-byte bound (plus one re-prefill when the staging was lost). Overrides: the
+    the first-byte bound (plus one re-prefill when the staging was lost), and per mid-stream
+    migration (``max_decode_migrations``, default 0) one more re-prefill and decode. Overrides: the
     ``CPD_DISPATCH_TIMEOUTS`` environment variable of the router, a JSON object of these fields.
     """
 
@@ -78,6 +79,9 @@ class DispatchTimeouts:
     staging_margin_s: float = 5.0
     max_prefill_attempts: int = 2
     max_decode_attempts: int = 3
+    # a decode whose worker fails after its first decoded token is resumed elsewhere at most this many
+    # times (the prompt and the tokens so far re-prefilled); 0: the stream ends with an error
+    max_decode_migrations: int = 0
 
     def prefill_s(self, estimate_s: float) -> float:
         return min(self.prefill_cap_s, self.prefill_floor_s + self.prefill_slack * max(0.0, estimate_s))

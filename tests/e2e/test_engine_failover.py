@@ -9,9 +9,16 @@ in ``p0`` only: ``CPD_FAULT_WORKER``; then ``pd`` with two decode workers, the f
   ``p0`` says 200 and is routed to again. No client request is ever the probe.
 * On the decode side the same: the decode that meets ``d0``'s broken engine before its first decoded
   token is retried on ``d1`` from the same staging; the client gets 200 and exact tokens.
+* Mid-stream (``router.timeouts.max_decode_migrations``): a decode worker SIGKILLed or SIGSTOPped
+  after tokens have streamed: the request is migrated (its prompt and the tokens so far
+  re-prefilled, decoding goes on on the other decode worker); the client's stream ends normally
+  with every token the uninterrupted run gives.
 """
 from __future__ import annotations
 
+import json
+import signal
+import threading
 import time
 
 import httpx
@@ -20,7 +27,7 @@ import pytest
 from cpd.engine.engine import Engine, SamplingParams
 from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.engine.faults import BREAK_ENV, BREAK_S_ENV, WORKER_ENV
-from deploy_util import assert_no_leaks, random_prompt, routing_record, start
+from deploy_util import assert_no_leaks, busy_worker, random_prompt, routing_record, signal_pid, start
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 BREAK_SEED, BREAK_S = 4747, 4.0
@@ -51,9 +58,9 @@ def _oracle(model_dir: str, prompt: list[int], max_tokens: int) -> list[int]:
     return eng.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def _post(dep, prompt: list[int], **sampling) -> httpx.Response:
-    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **sampling}
+def _post(dep, prompt: list[int], max_tokens: int = 6, **sampling) -> httpx.Response:
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **sampling}
     return httpx.post(f"{dep.url}/v1/completions", json=body, timeout=60)
 
 
@@ -131,3 +138,61 @@ def test_a_decode_that_meets_a_broken_engine_is_retried_on_another_decode_worker
     r = _post(dep, prompt)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == _oracle(tiny_model_dir, prompt, 6)
     assert_no_leaks(dep)
+
+
+MIGRATION_TIMEOUTS = {"max_decode_migrations": 2, "decode_idle_s": 3.0}
+
+
+@pytest.fixture
+def dep_migrate(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=3,
+              settings={**SETTINGS, "engine.time_dilation": 20.0},
+              extra_env={"CPD_DISPATCH_TIMEOUTS": json.dumps(MIGRATION_TIMEOUTS)})
+    yield d
+    for w in d.workers:
+        signal_pid(w["pid"], signal.SIGCONT)
+    d.stop()
+
+
+def _stream(dep, prompt: list[int], max_tokens: int, out: dict) -> None:
+    """Stream a completion; ``out``: ``id``, ``chunks`` (text per event), ``finish``, ``error``."""
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    out["chunks"], out["finish"], out["error"] = [], None, None
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out["error"] = msg["error"]
+                continue
+            out.setdefault("id", msg["id"])
+            choice = msg["choices"][0]
+            out["chunks"].append(choice.get("text") or "")
+            out["finish"] = choice.get("finish_reason") or out["finish"]
+
+
+def test_a_decode_whose_worker_dies_or_stops_mid_stream_is_migrated_and_ends_exact(dep_migrate, tiny_model_dir):
+    """SIGKILL of the decode worker after 10 streamed tokens, then SIGSTOP of the one it moved to
+    after 40: the stream moves twice and ends with the uninterrupted run's 120 tokens."""
+    dep = dep_migrate
+    prompt, max_tokens = random_prompt(3500, 300), 120
+    out: dict = {}
+    t = threading.Thread(target=_stream, args=(dep, prompt, max_tokens, out), daemon=True)
+    t.start()
+    _wait_for(lambda: len(out.get("chunks", [])) >= 10, 30, "tokens to flow")
+    first = routing_record(dep, out["id"])["decode_worker"]
+    dep.kill_worker(first)
+    _wait_for(lambda: len(out["chunks"]) >= 40 or not t.is_alive(), 60, "the migrated decode to stream")
+    second = routing_record(dep, out["id"])["decode_worker"]
+    assert second != first and t.is_alive(), (second, len(out["chunks"]), out["error"])
+    signal_pid(next(w["pid"] for w in dep.workers if w["worker_id"] == second), signal.SIGSTOP)
+    t.join(90)
+    assert not t.is_alive(), "the migrated stream hung"
+    assert out["error"] is None and out["finish"] == "length", (out["error"], out["finish"])
+    rec = routing_record(dep, out["id"])
+    assert rec["decode_worker"] not in (first, second) and len(rec["decode_failures"]) == 2, rec
+    whole = _post(dep, prompt, max_tokens=max_tokens).json()["choices"][0]  # uninterrupted, on the survivor
+    assert whole["token_ids"] == _oracle(tiny_model_dir, prompt, max_tokens)
+    assert "".join(out["chunks"]) == whole["text"]
