@@ -7,8 +7,8 @@ snapshot root of the tree BEFORE the change:
 
 VARIANT: ``base`` (the tree as is); ``heavyF`` (heavy work stays home unconditionally only while the home
 pool's best predicts at most F x ttft_slo_s; F = m means 1 - spill_margin); ``bothF`` (the same bound also
-for short work's margin: short work pays it only while home predicts at most F x ttft_slo_s; ``bothm`` is
-the rule adopted, SLO_PREDICTION_SHARE = 0.75); ``allF`` (``bothF`` and heavy work also spills without the
+for short work's margin: short work pays it only while home predicts at most F x ttft_slo_s; ``bothm`` was
+f411987, replaced by ``heavym``, the rule adopted, SLO_PREDICTION_SHARE = 0.75); ``allF`` (``bothF`` and heavy work also spills without the
 margin once home predicts more than F x ttft_slo_s).
 """
 from __future__ import annotations
