@@ -489,12 +489,8 @@ class CPDBackend:
                         log.warning("decode of %s on %s failed after %d tokens (%s); migrating", run.req.request_id,
                                     decode_worker, num_generated, e)
                         staged = await self._migrate(run, token_ids)
-                        decode_worker = pick_decode(self._snapshots(run.excluded), self.index.match(staged.hashes),
-                                                    len(token_ids), self.cfg)
-                        self.recent.note_decode_retry(run.req.request_id, decode_worker, run.reprefills, str(e))
-                        if decode_worker is None:
-                            raise BackendError(f"decode failed mid-stream ({e}); no other healthy decode worker", 503,
-                                               "service_unavailable", retry_after_s=1) from e
+                        decode_worker = self._next_decode_worker(run, staged, len(token_ids), e,
+                                                                 "decode failed mid-stream")
                         continue
                     log.warning("decode of %s on %s failed before its first token (%s); attempt %d",
                                 run.req.request_id, decode_worker, e, attempt)
@@ -503,17 +499,25 @@ class CPDBackend:
                     if (e.handoff_lost or expired) and attempt + 1 < self.timeouts.max_decode_attempts:
                         self._release_handoff(staged.handoff)
                         staged = await self._reprefill(run)
-                    decode_worker = pick_decode(self._snapshots(run.excluded), self.index.match(staged.hashes),
-                                                len(run.req.prompt_token_ids), self.cfg)
-                    self.recent.note_decode_retry(run.req.request_id, decode_worker, run.reprefills, str(e))
-                    if decode_worker is None:
-                        raise BackendError(f"decode failed ({e}); no other healthy decode worker", 503,
-                                           "service_unavailable", retry_after_s=1) from e
+                    decode_worker = self._next_decode_worker(run, staged, len(run.req.prompt_token_ids), e,
+                                                             "decode failed")
             raise BackendError(f"decode failed on {self.timeouts.max_decode_attempts} attempts", 503,
                                "service_unavailable", retry_after_s=1)
         finally:
             if not sent:  # never decoded from it: nobody else will release it
                 self._release_handoff(staged.handoff)
+
+    def _next_decode_worker(self, run: _Run, staged: _Prefilled, num_tokens: int, error: DecodeFailed,
+                            what: str) -> str:
+        """The decode worker to try ``staged`` on after ``error`` (the request's excluded workers
+        left out; the retry recorded on the request), or a 503 ``"<what> (<error>); ..."`` when
+        no healthy one is left."""
+        worker = pick_decode(self._snapshots(run.excluded), self.index.match(staged.hashes), num_tokens, self.cfg)
+        self.recent.note_decode_retry(run.req.request_id, worker, run.reprefills, str(error))
+        if worker is None:
+            raise BackendError(f"{what} ({error}); no other healthy decode worker", 503, "service_unavailable",
+                               retry_after_s=1) from error
+        return worker
 
     async def _migrate(self, run: _Run, token_ids: list[int]) -> _Prefilled:
         """A new staging for a decode that failed mid-stream: the KV of ``token_ids[:-1]`` (the

@@ -55,9 +55,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from cpd.costmodel.prior import cost_prior
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.worker_api import (ENGINE_FAILED, Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest,
-                                     ErrorBody, KvSnapshot, L3Observation, L3Snapshot, LoadReport, MalformedBody, PrefillLine,
-                                     PrefillRequest, PrefillResponse, RoleChangeRequest, RoleChangeResponse, WorkerHealth,
-                                     WorkerInfoReport, decode_body, encode)
+                                     ErrorBody, KvSnapshot, L3Observation, L3Snapshot, LoadReport, MalformedBody,
+                                     PrefillLine, PrefillRequest, PrefillResponse, RoleChangeRequest,
+                                     RoleChangeResponse, WorkerHealth, WorkerInfoReport, decode_body, encode)
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
 from cpd.worker.runtime import DuplicateRequestId, EngineRunner, RequestFailed
 

@@ -145,16 +145,22 @@ def test_extreme_sampling_options_are_served_beside_greedy(dep, oracle):
     assert set(_worker_health(dep).values()) == {200}
 
 
-def test_request_failing_in_sampling_fails_alone(dep, oracle):
-    prompts = [random_prompt(400 + i, 50 + 5 * i) for i in range(4)]
-    with ThreadPoolExecutor(6) as pool:
+def _bad_beside_good(dep, oracle, prompts: list[list[int]], bad_prompt: list[int], bad_seed: int) -> None:
+    """Send ``prompts`` and the bad request (sampled with ``bad_seed``) at once: the bad one gets an
+    error, every other one the oracle's tokens."""
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
         ok = [pool.submit(_post, dep, p) for p in prompts]
-        bad = pool.submit(_post, dep, random_prompt(499, 45), temperature=0.5, seed=SAMPLE_FAULT_SEED)
+        bad = pool.submit(_post, dep, bad_prompt, temperature=0.5, seed=bad_seed)
         ok_out = [f.result() for f in ok]
         bad_out = bad.result()
     assert bad_out.status_code >= 500 and "error" in bad_out.json(), bad_out.text
     for p, r in zip(prompts, ok_out):
         assert _tokens(r) == oracle(p)
+
+
+def test_request_failing_in_sampling_fails_alone(dep, oracle):
+    _bad_beside_good(dep, oracle, [random_prompt(400 + i, 50 + 5 * i) for i in range(4)], random_prompt(499, 45),
+                     SAMPLE_FAULT_SEED)
     assert set(_worker_health(dep).values()) == {200}
     assert all(_router_view(dep).values())
 
@@ -165,15 +171,8 @@ def _worker_health_bodies(dep) -> dict[str, dict]:
 
 def test_a_bad_request_in_a_batch_fails_alone_and_again_and_again_never_takes_a_worker_out(dep, oracle):
     # In a batch: the same cold prompt length on one pre-prefill worker, sent at once.
-    prompts = [random_prompt(540 + i, 40) for i in range(4)]
-    with ThreadPoolExecutor(5) as pool:
-        ok = [pool.submit(_post, dep, p) for p in prompts]
-        bad = pool.submit(_post, dep, random_prompt(500, 40), temperature=0.5, seed=STEP_FAULT_SEED)
-        ok_out = [f.result() for f in ok]
-        bad_out = bad.result()
-    assert bad_out.status_code >= 500 and "error" in bad_out.json(), bad_out.text
-    for p, r in zip(prompts, ok_out):
-        assert _tokens(r) == oracle(p)
+    _bad_beside_good(dep, oracle, [random_prompt(540 + i, 40) for i in range(4)], random_prompt(500, 40),
+                     STEP_FAULT_SEED)
     before = _worker_health_bodies(dep)
     # Alone, again and again: each fails; no worker counts a failed step or leaves routing.
     for i in range(6):
