@@ -196,3 +196,5 @@ def test_a_decode_whose_worker_dies_or_stops_mid_stream_is_migrated_and_ends_exa
     whole = _post(dep, prompt, max_tokens=max_tokens).json()["choices"][0]  # uninterrupted, on the survivor
     assert whole["token_ids"] == _oracle(tiny_model_dir, prompt, max_tokens)
     assert "".join(out["chunks"]) == whole["text"]
+    signal_pid(next(w["pid"] for w in dep.workers if w["worker_id"] == second), signal.SIGCONT)
+    assert_no_leaks(dep)  # the stopped worker, resumed, frees the abandoned decode; the prefill side its stagings
