@@ -47,8 +47,10 @@ NUM_WORKERS = 3  # modeled_ordering.live_config: every configuration on 3 worker
 # The simulator cell's model and scheduler (claude_code_sessions.experiment.json), as defaults of
 # modeled_ordering's arguments; the SLOs are the cell's (TTFT 1 s, TPOT 50 ms). L1 blocks: the cell's
 # (the roofline's KV capacity of a Llama-3.1-8B tp4 B200 instance / 512 at 2-byte KV); L2 the cell's 3 TB.
-# The simulated router's start rate (modeled_ordering.router_cost: system prompt + first context
-# tokens, no cache) is one full 16,384-token step, what the live workers advertise (cpd/costmodel/prior.py).
+# The simulated router learns its cost model as the live router does (modeled_ordering's default
+# --router-cost learned: from the workers' advertised CostPrior, cpd/costmodel/prior.py); with
+# --router-cost fixed (the figures of 6066ef9) its rate is modeled_ordering.router_cost's (system
+# prompt + first context tokens, no cache: one full 16,384-token step, 197 K tok/s).
 CELL_DEFAULTS = {"--shape": "Llama-3.1-8B", "--gpu": "b200", "--tp": "4", "--block-size": "512",
                  "--budget": "16384", "--max-num-seqs": "24", "--slo-ttft": "1.0", "--slo-tpot": "0.05",
                  "--system-prompt": "0", "--first-context": "16384",

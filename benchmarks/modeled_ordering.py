@@ -18,15 +18,22 @@ adaptive routing; shown as ``cpd-adaptive``).
 Same on both sides: cost model (shape, GPU, TP), block size, scheduler budgets, L1 blocks, L2
 bytes, L3 (unbounded), the router's :class:`~cpd.policy.routing.RoutingConfig` (built by
 :func:`cpd.config.routing_config` from the live config; the sim's SLOs are the live ones / K).
-The router's cost model: live, :class:`cpd.router.estimates.CostEstimates` (EWMA of measured
-prefill rate and load bandwidths, from the ``LinearCostModel`` defaults); simulated, a fixed
-``LinearCostModel`` with the roofline's rate of a typical cold prompt and the roofline's L2/L3
-links (what the live estimates should converge to, divided by K). A third side, **mirror**,
-reruns the simulator with the live router's end-of-run estimates (× K) as its cost model: it
-tells a difference of the router's inputs from a difference of the simulated mechanism. (The
-live L3 estimate of a modeled deployment is not the link's: the worker reports the store read
-of the 1/8192 payload in real time, without the modeled wait; see
-docs/results/modeled_ordering/README.md.)
+The router's cost model (``--router-cost``): live, :class:`cpd.router.estimates.CostEstimates`
+(EWMA of the measured prefill rate and load bandwidths, or with ``router.prefill_cost_fit`` the
+fitted prefill terms, starting from the workers' advertised :class:`~cpd.messages.worker_api.CostPrior`
+over the ``LinearCostModel`` defaults). Simulated, by default (``learned``) the same: the same
+``CostEstimates`` and fit setting (the live config's ``router.prefill_cost_fit``), the same start
+(every simulated instance advertises its CostPrior, :func:`cpd.sim.engine_sim.instance_cost_prior`;
+the defaults' load overheads / K), fed the same observations (each prefill answer's compute time
+and step figures, and the worker's L2/L3 loads since its last answer; the simulated load seconds
+are the modeled waits, the live ones add the real store read and copy): see
+:attr:`cpd.sim.engine_sim.EngineClusterSpec.learn_like_live`. ``fixed`` (the figures published
+before 2026-12-03 12:00): a fixed ``LinearCostModel`` with the roofline's rate of a typical cold
+prompt (``--system-prompt`` + ``--first-context`` tokens) and the roofline's L2/L3 links and
+latencies. A third side, **mirror**, reruns the simulator with the live router's end-of-run
+estimates (× K) as a fixed cost model: it tells a difference of the router's inputs from a
+difference of the simulated mechanism. Each side's end-of-run estimates are in the results
+(``router_cost_end``, modeled units).
 
 Metrics over the requests arriving in ``[warm_s, duration_s)`` (the same requests on both sides):
 goodput (share with TTFT ≤ ``slo_ttft_s`` and TPOT ≤ ``slo_tpot_s``; failed requests fail), TTFT
@@ -112,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sim-l3-bytes-per-s", type=float, default=0.0,
                    help="sim: the router's L3 bandwidth estimate (modeled B/s; 0 = the roofline link's). A "
                         "sensitivity check: the live estimate of a modeled deployment is not the link's (README)")
+    p.add_argument("--router-cost", choices=("learned", "fixed"), default="learned",
+                   help="sim: the router's cost model: learned as the live router learns it (default), or the "
+                        "fixed roofline model of the figures published before 2026-12-03 12:00")
     p.add_argument("--kv-event-delay", type=float, default=0.01, help="sim: router index lag (modeled s)")
     p.add_argument("--goodput-tol", type=float, default=0.03)
     p.add_argument("--ttft-tol", type=float, default=0.10)
@@ -178,10 +188,27 @@ def router_cost(a: argparse.Namespace, cost: RooflineCostModel, live_end: dict |
 
 
 # --------------------------------------------------------------------------- the two sides
+def learned_router_base(cost: RooflineCostModel, k: float) -> LinearCostModel:
+    """The live router's base cost model (``cpd.router.app``: ``LinearCostModel`` defaults) in
+    modeled units (its load overheads are wall seconds of a K× dilated run: / K); the workers'
+    advertised priors replace its rates."""
+    d = LinearCostModel(kv_bytes_per_token=cost.kv_bytes_per_token)
+    return replace(d, l2_overhead_s=d.l2_overhead_s / k, l3_overhead_s=d.l3_overhead_s / k,
+                   prefill_overhead_s=d.prefill_overhead_s / k)
+
+
+def _cost_summary(m: LinearCostModel) -> dict[str, float]:
+    return {"prefill_tokens_per_s": rnd(m.prefill_tokens_per_s, 1), "l2_bytes_per_s": rnd(m.l2_bytes_per_s, 0),
+            "l3_bytes_per_s": rnd(m.l3_bytes_per_s, 0), "attn_coeff": m.attn_coeff,
+            "prefill_overhead_s": m.prefill_overhead_s}
+
+
 def run_sim(a: argparse.Namespace, name: str, reqs: list[SimRequest], vocab: int, model_dir: str,
-            live_end: dict | None = None) -> list[dict]:
+            live_end: dict | None = None, info: dict | None = None) -> list[dict]:
     """One configuration in the simulator; a row per request (modeled seconds). ``live_end``: the
-    router's cost model from the live run (:func:`router_cost`)."""
+    router's cost model from the live run, fixed (:func:`router_cost`); else ``a.router_cost``
+    (module docstring). ``info``: gets the router's cost model at the end (``router_cost_end``,
+    modeled units) and at the start (``router_cost_start``)."""
     cfg = live_config(a, name, model_dir)
     cost = RooflineCostModel.build(a.shape, a.gpu, a.tp)
     sched = SchedulerConfig(block_size=a.block_size, max_num_batched_tokens=a.budget, max_num_seqs=a.max_num_seqs,
@@ -190,11 +217,22 @@ def run_sim(a: argparse.Namespace, name: str, reqs: list[SimRequest], vocab: int
     insts = [EngineInstanceSpec(role, cost, sched, a.l1_blocks, a.l2_bytes if role != "decode" else 0)
              for role in POOLS for _ in range(sizes[role])]
     l3 = 0 if NAMED_CONFIGS[name].get("l3_bytes") == 0 else 1 << 50
-    cl = EngineClusterSpec(tuple(insts), sim_routing(cfg, a.time_dilation), router_cost(a, cost, live_end),
+    learn = live_end is None and getattr(a, "router_cost", "learned") == "learned"
+    base = learned_router_base(cost, a.time_dilation) if learn else router_cost(a, cost, live_end)
+    cl = EngineClusterSpec(tuple(insts), sim_routing(cfg, a.time_dilation), base,
                            a.block_size,
                            l3_bytes=l3, kv_event_delay_s=a.kv_event_delay,
-                           raw_ready_margin_s=cfg.router.raw_ready_margin_s / a.time_dilation)
-    sim = EngineSimulator(cl, reqs, vocab_size=vocab).run()
+                           raw_ready_margin_s=cfg.router.raw_ready_margin_s / a.time_dilation,
+                           learn_router_cost=learn, fit_router_cost=learn and cfg.router.prefill_cost_fit,
+                           learn_like_live=learn)
+    sim = EngineSimulator(cl, reqs, vocab_size=vocab)
+    start = sim.router_cost_model()
+    sim.run()
+    if info is not None:
+        info["router_cost_start"] = _cost_summary(start)
+        info["router_cost_end"] = _cost_summary(sim.router_cost_model())
+        if sim.estimates is not None:
+            info["router_cost_fit_rms_rel_error"] = sim.estimates.fit_rms_rel_error
     rows = []
     for q, r in zip(sim.reqs, sim.rec):
         assert r is not None
@@ -449,10 +487,12 @@ def run_point(a: argparse.Namespace, qps: float, names: list[str], vocab: int, m
                           "configs": {}}
     for name in names:
         t = time.monotonic()
-        sim_rows = run_sim(a, name, reqs, vocab, model_dir)
-        c: dict[str, Any] = {"sim": summarise(sim_rows, a, warm_s), "sim_wall_s": rnd(time.monotonic() - t, 2)}
+        info: dict[str, Any] = {}
+        sim_rows = run_sim(a, name, reqs, vocab, model_dir, info=info)
+        c: dict[str, Any] = {"sim": summarise(sim_rows, a, warm_s), "sim_wall_s": rnd(time.monotonic() - t, 2),
+                             "sim_router": info}
         print(f"[{qps:g} QPS] {name}: sim {c['sim']['goodput']} ttft p90 {c['sim']['ttft_s']['p90']} "
-              f"({c['sim_wall_s']} s)", flush=True)
+              f"({c['sim_wall_s']} s; router cost end {info['router_cost_end']})", flush=True)
         if not a.sim_only:
             live_rows, facts = run_live(a, name, reqs, prompts, model_dir)
             c["live"] = summarise(live_rows, a, warm_s)

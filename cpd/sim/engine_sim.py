@@ -189,6 +189,18 @@ class EngineInstanceSpec:
     l2_bytes: int = 0
 
 
+def instance_cost_prior(spec: EngineInstanceSpec, has_l3: bool, time_dilation: float = 1.0) -> dict[str, float]:
+    """What a modeled worker of ``spec`` advertises to the router (its ``GET /info`` ``cost_prior``,
+    :func:`cpd.worker.server.engine_cost_prior`), as the JSON values the router hands to
+    :meth:`CostEstimates.advertise`; ``has_l3`` False drops the L3 figure (no store)."""
+    from cpd.costmodel.prior import cost_prior
+    p = cost_prior(spec.cost, time_dilation=time_dilation, max_num_batched_tokens=spec.sched.max_num_batched_tokens,
+                   max_prefill_chunk_tokens=spec.sched.max_prefill_chunk_tokens)
+    out = {"prefill_tokens_per_s": p.prefill_tokens_per_s, "l2_bytes_per_s": p.l2_bytes_per_s,
+           "l3_bytes_per_s": p.l3_bytes_per_s if has_l3 else None}
+    return {k: float(v) for k, v in out.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class EngineClusterSpec:
     instances: tuple[EngineInstanceSpec, ...]
@@ -202,6 +214,14 @@ class EngineClusterSpec:
     learn_router_cost: bool = False  # the router learns router_cost's prefill terms from the simulated
     # prefills as the live router does (cpd.router.estimates); False: router_cost stays fixed
     fit_router_cost: bool = False  # with learn_router_cost: fit (router.prefill_cost_fit), not one rate
+    learn_like_live: bool = False  # with learn_router_cost, the rest of what the live router does
+    # (cpd.router.app, cpd.router.dispatch_records): router_cost is only the base (the live one is
+    # LinearCostModel's defaults); every instance advertises its CostPrior (cpd.costmodel.prior, as
+    # cpd.worker.server.engine_cost_prior: L3 only with a store) and the estimates start from their
+    # mean (CostEstimates.advertise); each prefill answer reports the instance's L2/L3 loads since
+    # its last answer (bytes, modeled seconds: the worker's new_transfers) to observe_transfer before
+    # observe_prefill; a read-after-write hold is not compute (the live worker never sees it).
+    # False: learn the prefill terms only, from router_cost (the adaptive-grid cells' "learned").
     cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
     request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
     # live stack's per-request work that an engine step's cost does not hold (HTTP, the handoff's staging)
@@ -224,6 +244,8 @@ class _Inst:
     step_version: int = 0  # shared cores: the current completion event of the running step
     step_outs: Any = None  # shared cores: the running step's outputs, delivered when it ends
     l3_writer: StepEndL3Connector | None = None  # the engine's connector (prefill side with L3)
+    wait_s: dict = field(default_factory=dict)  # modeled seconds the executor waited, by kind (L2, L3, step)
+    transfers_reported: dict = field(default_factory=dict)  # tier -> (bytes, s) at the last answer
 
 
 class EngineSimulator:
@@ -262,6 +284,9 @@ class EngineSimulator:
             k = counts[spec.role] = counts.get(spec.role, -1) + 1
             self.insts.append(self._instance(f"{spec.role}-{k}", spec))
         self.by_id = {w.wid: w for w in self.insts}
+        if self.estimates is not None and cluster.learn_like_live:
+            for w, spec in zip(self.insts, cluster.instances):
+                self.estimates.advertise(w.wid, instance_cost_prior(spec, has_l3=w.l3_writer is not None))
         self.namespace = self.insts[0].engine.namespace
         if any(r.deps() for r in requests):
             self.reqs = list(requests)  # closed loop: indices must stay as generated
@@ -362,7 +387,25 @@ class EngineSimulator:
                      clock=lambda: self.now + clock.pending_s)
         w = _Inst(wid, Role(spec.role), eng, clock, l3_writer=connector)
         w_box.append(w)
+        if self.c.learn_like_live:
+            ex.on_wait = lambda what, s: w.wait_s.__setitem__(what, w.wait_s.get(what, 0.0) + s)
         return w
+
+    def _new_transfers(self, w: _Inst) -> dict[str, tuple[int, float]]:
+        """``w``'s L2/L3 loads since its last answer, ``{tier: (bytes, modeled s)}``, as the live
+        worker reports them (:meth:`cpd.worker.server.WorkerState.new_transfers`: L3 only with a
+        store, a tier only when it loaded more bytes); the seconds are the modeled transfer waits."""
+        eng = w.engine
+        now = {"L2": (eng.l2_load_bytes, w.wait_s.get("L2", 0.0))}
+        if w.l3_writer is not None:
+            now["L3"] = (eng.l3_load_bytes, w.wait_s.get("L3", 0.0))
+        out = {}
+        for tier, (b, t) in now.items():
+            b0, t0 = w.transfers_reported.get(tier, (0, 0.0))
+            if b > b0:
+                out[tier] = (b - b0, t - t0)
+        w.transfers_reported = now
+        return out
 
     def close(self) -> None:
         from cpd.store.mem_store import drop_space
@@ -397,6 +440,10 @@ class EngineSimulator:
     def _router_cost(self) -> Any:
         """The cost model the router prices with now (fixed, or fitted so far)."""
         return self.estimates.model() if self.estimates is not None else self.c.router_cost
+
+    def router_cost_model(self) -> Any:
+        """The cost model the router prices with now (after :meth:`run`: at the end)."""
+        return self._router_cost()
 
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
@@ -439,6 +486,7 @@ class EngineSimulator:
                             max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
                             write_through=d.write_through, block_hashes=hashes)
         if d.wait_for_l3_s > 0:  # read-after-write: the dispatch holds for the pending L3 blocks
+            self.rec[i]["hold_s"] = d.wait_for_l3_s
             self.at(now + d.wait_for_l3_s, self._submit, w, req)
         else:
             self._submit(now, w, req)
@@ -536,9 +584,14 @@ class EngineSimulator:
                 if rec["pool"] != DECODE:  # a decode-local append keeps running there until done
                     wid.running_requests -= 1
                 if self.estimates is not None:  # as the live dispatch records a prefill answer
+                    compute_s = now - rec["arrival"] - (o.queue_s or 0.0)
+                    if self.c.learn_like_live:
+                        for tier, (nbytes, seconds) in self._new_transfers(wid).items():
+                            self.estimates.observe_transfer(tier, nbytes, seconds)
+                        compute_s -= rec.get("hold_s", 0.0)
                     by_tier = {Tier(t): n for t, n in (o.num_cached_tokens_by_tier or {}).items()}
                     observe_prefill(self.estimates, by_tier, self.reqs[i].prompt_tokens,
-                                    now - rec["arrival"] - (o.queue_s or 0.0), o.step_tokens, o.step_s)
+                                    compute_s, o.step_tokens, o.step_s)
                 if self.role_window is not None and wid.role in PREFILL_SIDE_ROLES:
                     ttft = now - rec["arrival"]
                     self.role_window.observe_prefill_done(now, wid.role, max(0.0, ttft - rec["est_s"]), ttft)

@@ -1,0 +1,93 @@
+"""The simulated router learns its cost model as the live router does (EngineClusterSpec.learn_like_live):
+it starts from the instances' advertised CostPrior (cpd.costmodel.prior, as cpd.worker.server does),
+and it observes each answer's L2/L3 loads, not only the prefill times."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from cpd.costmodel.prior import cost_prior
+from cpd.engine.scheduler import SchedulerConfig
+from cpd.policy.cost_model import RooflineCostModel
+from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.router.estimates import CostEstimates
+from cpd.sim.engine_sim import EngineClusterSpec, EngineInstanceSpec, EngineSimulator, instance_cost_prior
+from cpd.sim.workload import SimRequest
+from cpd.types import WriteThrough
+
+BS = 512
+COST = RooflineCostModel.build("Llama-3.1-8B", "B200", tp=1)
+SCHED = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=32, max_prefill_chunk_tokens=4096, block_size=BS)
+BASE = LinearCostModel(kv_bytes_per_token=COST.kv_bytes_per_token)  # the live router's (cpd.router.app)
+
+
+def _cluster(l3_bytes: int, l1_blocks: int = 60) -> EngineClusterSpec:
+    # two prefill workers with a small L1 and no L2: a session's next turn on the other worker (or
+    # after eviction) loads its prefix from L3
+    insts = (EngineInstanceSpec("prefill", COST, SCHED, l1_blocks, 0), EngineInstanceSpec("prefill", COST, SCHED,
+                                                                                          l1_blocks, 0),
+             EngineInstanceSpec("decode", COST, SCHED, 400, 0))
+    routing = RoutingConfig(topology="pd", block_size=BS, write_through=WriteThrough.ALL if l3_bytes else
+                            WriteThrough.NONE)
+    return EngineClusterSpec(insts, routing, BASE, BS, l3_bytes=l3_bytes, kv_event_delay_s=0.01,
+                             learn_router_cost=True, learn_like_live=True)
+
+
+def _requests(n: int = 80, seed: int = 3) -> list[SimRequest]:
+    rng = random.Random(seed)
+    sessions = [tuple(range(s * 1000, s * 1000 + 30)) for s in range(12)]
+    out, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(4.0)
+        k = rng.randrange(6, 30)
+        out.append(SimRequest(t, k * BS - rng.randrange(1, 300), 4, sessions[rng.randrange(12)][:k]))
+    return out
+
+
+def test_the_router_starts_from_the_advertised_cost_prior():
+    """Before any answer the estimates are the mean of what the instances advertise (every instance:
+    the full-step rate and the L2 link; L3 only the ones with a store), the base model elsewhere."""
+    prior = cost_prior(COST, max_num_batched_tokens=4096, max_prefill_chunk_tokens=4096)
+    with_l3 = EngineSimulator(_cluster(1 << 40), []).router_cost_model()
+    assert with_l3.prefill_tokens_per_s == pytest.approx(prior.prefill_tokens_per_s)
+    assert with_l3.l2_bytes_per_s == pytest.approx(COST.link_bytes_per_s("L2"))
+    assert with_l3.l3_bytes_per_s == pytest.approx(COST.link_bytes_per_s("L3"))
+    no_l3 = EngineSimulator(_cluster(0), []).router_cost_model()
+    assert no_l3.l3_bytes_per_s == BASE.l3_bytes_per_s  # nobody advertises L3: the live default
+    assert no_l3.prefill_tokens_per_s == pytest.approx(prior.prefill_tokens_per_s)
+    assert instance_cost_prior(_cluster(0).instances[0], has_l3=False) == {
+        "prefill_tokens_per_s": prior.prefill_tokens_per_s, "l2_bytes_per_s": prior.l2_bytes_per_s}
+    # the live CostEstimates fed the same advertisements gives the same model
+    est = CostEstimates(BASE)
+    for i, spec in enumerate(_cluster(1 << 40).instances):
+        est.advertise(f"w{i}", instance_cost_prior(spec, has_l3=spec.role != "decode"))
+    assert est.model() == with_l3
+
+
+def test_the_router_measures_l3_loads_as_the_live_router_does():
+    """With L3 loads in the run, the L3 bandwidth is measured (EWMA of bytes / modeled load
+    seconds): below the link's (each load pays the link latency too), never above; the prefill rate
+    moved from the prior. Without learn_like_live the L3 figure stays the start's."""
+    sim = EngineSimulator(_cluster(1 << 40), _requests()).run()
+    assert sum(r["l3"] for r in sim.rec) > 0, "the workload must load from L3"
+    est = sim.estimates
+    assert est is not None and {"l3_bytes_per_s", "prefill_tokens_per_s"} <= est.measured
+    link = COST.link_bytes_per_s("L3")
+    m = sim.router_cost_model()
+    assert 0 < m.l3_bytes_per_s < link
+    blocks_s = BS * COST.kv_bytes_per_token / COST.transfer_time_s("L3", BS * COST.kv_bytes_per_token)
+    assert m.l3_bytes_per_s >= blocks_s * 0.999  # no load is smaller than one block
+    prefill_only = EngineSimulator(replace(_cluster(1 << 40), learn_like_live=False), _requests()).run()
+    assert prefill_only.router_cost_model().l3_bytes_per_s == BASE.l3_bytes_per_s
+
+
+def test_a_learning_run_is_byte_identical():
+    def run() -> str:
+        sim = EngineSimulator(_cluster(1 << 40), _requests()).run()
+        m = sim.router_cost_model()
+        return json.dumps({"rec": sim.rec, "busy": sim.busy_s(), "cost": [m.prefill_tokens_per_s, m.l3_bytes_per_s]},
+                          sort_keys=True)
+    assert run() == run()
