@@ -25,7 +25,9 @@ Adaptive decisions (issue 11) add three paths around these steps:
   decode. Its first token is due within the prefill bound of its estimate
   (:meth:`DispatchTimeouts.prefill_s`; heartbeats do not extend it). If the append fails before
   its first token, whatever the failure (transport, timeout, refusal, an error line), the request
-  is routed again without an append (a worker that failed in transport or time is excluded).
+  is routed again without an append (a worker that failed in transport or time is excluded);
+  after tokens have streamed, a failed worker's append is migrated as a decode would be
+  (``timeouts.max_decode_migrations``).
 
 Closing the generator (client disconnect, stop string) cancels the in-flight HTTP
 call, which the worker sees as a disconnect and aborts — blocks are freed on every
@@ -240,19 +242,26 @@ class CPDBackend:
         run = _Run(req)
         d, hashes = await self._decide_first(run)
         if d.decode_append:
-            sent = False
+            decoded: list[int] = []  # tokens the client has from the append
             try:
                 async with aclosing(self._append(run, d)) as chunks:
                     async for chunk in chunks:
-                        sent = True
+                        decoded.extend(chunk.token_ids)
                         yield chunk
                 return
             except (DecodeFailed, BackendError) as e:
-                if sent and isinstance(e, BackendError):
-                    raise
-                if sent:
+                sent = bool(decoded)
+                if sent and (isinstance(e, BackendError) or not e.worker_failed
+                             or self.timeouts.max_decode_migrations <= 0):
+                    if isinstance(e, BackendError):
+                        raise
                     raise BackendError(f"decode worker {d.decode_worker} failed mid-stream: {e}", 502,
                                        "server_error") from e
+                if sent:
+                    async with aclosing(self._migrate_append(run, d, decoded, e)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
                 log.warning("decode-local append of %s on %s failed before its first token (%s); rerouting",
                             req.request_id, d.decode_worker, e)
                 self.metrics.decode_appends.labels("fallback").inc()
@@ -286,7 +295,8 @@ class CPDBackend:
             return
         n_out = len(ans.first_token_ids)
         t_first = time.monotonic()
-        async with aclosing(self._decode_with_retry(run, pre)) as chunks:
+        assert d.decode_worker is not None  # decide() refuses decisions without one
+        async with aclosing(self._decode_with_retry(run, pre, ans.token_ids or [], n_out, d.decode_worker)) as chunks:
             async for chunk in chunks:
                 n_out += len(chunk.token_ids)
                 yield chunk
@@ -451,7 +461,29 @@ class CPDBackend:
                                                   time.monotonic() - run.t0)
         return ans
 
-    async def _decode_with_retry(self, run: _Run, pre: _Prefilled) -> AsyncGenerator[GenerationChunk, None]:
+    async def _migrate_append(self, run: _Run, d: RouteDecision, decoded: list[int],
+                              error: DecodeFailed) -> AsyncGenerator[GenerationChunk, None]:
+        """A decode-local append whose worker failed after ``decoded`` reached the client: as a
+        mid-stream decode (:meth:`_decode_with_retry`), the prompt and ``decoded`` are
+        re-prefilled and decoding goes on on another decode worker (one migration used)."""
+        assert d.decode_worker is not None
+        self.workers.mark_unhealthy(d.decode_worker)
+        run.excluded.add(d.decode_worker)
+        token_ids = list(run.req.prompt_token_ids) + decoded
+        log.warning("decode-local append of %s on %s failed after %d tokens (%s); migrating", run.req.request_id,
+                    d.decode_worker, len(decoded), error)
+        staged = await self._migrate(run, token_ids)
+        try:
+            worker = self._next_decode_worker(run, staged, len(token_ids), error, "decode-local append failed mid-stream")
+        except BackendError:
+            self._release_handoff(staged.handoff)
+            raise
+        async with aclosing(self._decode_with_retry(run, staged, token_ids, len(decoded), worker, 1)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _decode_with_retry(self, run: _Run, pre: _Prefilled, token_ids: list[int], num_generated: int,
+                                 decode_worker: str, migrations: int = 0) -> AsyncGenerator[GenerationChunk, None]:
         """Decode from ``pre``'s handoff. A failure before the first decoded token is retried:
         a decode worker that failed (transport error, timeout) is excluded and the same staging
         is fetched by another one; a staging that is gone (stale, sender unreachable) is
@@ -460,12 +492,9 @@ class CPDBackend:
         ``timeouts.max_decode_migrations`` times (:meth:`_migrate`: the prompt and every token
         sent so far are re-prefilled, decoding goes on elsewhere with the same sampling state);
         past that, or for any other failure, it ends with an error."""
-        token_ids, num_generated = pre.answer.token_ids or [], len(pre.answer.first_token_ids)
-        decode_worker, staged = pre.decision.decode_worker, pre
-        assert decode_worker is not None  # decide() refuses decisions without one
+        staged = pre
         sent = False  # this staging was decoded from (the client has tokens of it)
         decoded: list[int] = []  # tokens decoded from this staging
-        migrations = 0
         try:
             for attempt in range(self.timeouts.max_decode_attempts + self.timeouts.max_decode_migrations):
                 try:

@@ -9,7 +9,8 @@ in ``p0`` only: ``CPD_FAULT_WORKER``; then ``pd`` with two decode workers, the f
   ``p0`` says 200 and is routed to again. No client request is ever the probe.
 * On the decode side the same: the decode that meets ``d0``'s broken engine before its first decoded
   token is retried on ``d1`` from the same staging; the client gets 200 and exact tokens.
-* Mid-stream (``router.timeouts.max_decode_migrations``): a decode worker SIGKILLed or SIGSTOPped
+* Mid-stream (``router.timeouts.max_decode_migrations``): a decode worker (or a decode-local
+  append's worker) SIGKILLed or SIGSTOPped
   after tokens have streamed: the request is migrated (its prompt and the tokens so far
   re-prefilled, decoding goes on on the other decode worker); the client's stream ends normally
   with every token the uninterrupted run gives.
@@ -198,3 +199,47 @@ def test_a_decode_whose_worker_dies_or_stops_mid_stream_is_migrated_and_ends_exa
     assert "".join(out["chunks"]) == whole["text"]
     signal_pid(next(w["pid"] for w in dep.workers if w["worker_id"] == second), signal.SIGCONT)
     assert_no_leaks(dep)  # the stopped worker, resumed, frees the abandoned decode; the prefill side its stagings
+
+
+@pytest.fixture
+def dep_append_migrate(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=2,
+              settings={**SETTINGS, "engine.time_dilation": 20.0, "router.routing_mode": "adaptive",
+                        "router.decode_append_max_tokens": 64, "router.tpot_slo_s": 0.5},
+              extra_env={"CPD_DISPATCH_TIMEOUTS": json.dumps(MIGRATION_TIMEOUTS)})
+    yield d
+    d.stop()
+
+
+def test_a_decode_local_append_whose_worker_dies_mid_stream_is_migrated_and_ends_exact(dep_append_migrate,
+                                                                                       tiny_model_dir):
+    """Turn 2 of a conversation runs as a decode-local append on the decode worker holding turn 1
+    (the prefill worker busy with a long prompt); that worker is SIGKILLed after 10 streamed tokens: the prompt and the tokens so far are
+    re-prefilled and the stream goes on on the other decode worker, ending with the
+    uninterrupted run's tokens."""
+    dep = dep_append_migrate
+    turn1 = random_prompt(3600, 200)
+    r1 = _post(dep, turn1, max_tokens=8).json()
+    holder = routing_record(dep, r1["id"])["decode_worker"]
+    turn2, max_tokens = turn1 + r1["choices"][0]["token_ids"] + random_prompt(3601, 20), 120
+    time.sleep(0.5)  # the holder's BlockStored events reach the router's index
+    busy = threading.Thread(target=_post, args=(dep, random_prompt(3602, 12000), 1), daemon=True)
+    busy.start()  # p0 queued: the append on the holder finishes first
+    busy_worker(dep, "prefill")
+    out: dict = {}
+    t = threading.Thread(target=_stream, args=(dep, turn2, max_tokens, out), daemon=True)
+    t.start()
+    _wait_for(lambda: len(out.get("chunks", [])) >= 10, 30, "tokens to flow")
+    rec = routing_record(dep, out["id"])
+    assert (rec["reason"], rec["decode_worker"]) == ("decode-append", holder), json.dumps(rec)
+    dep.kill_worker(holder)
+    t.join(90)
+    assert not t.is_alive(), "the migrated append hung"
+    busy.join(60)
+    assert out["error"] is None and out["finish"] == "length", (out["error"], out["finish"])
+    rec = routing_record(dep, out["id"])
+    assert rec["decode_worker"] != holder and len(rec["decode_failures"]) == 1, rec
+    whole = _post(dep, turn2, max_tokens=max_tokens).json()["choices"][0]  # uninterrupted, on the survivor
+    assert whole["token_ids"] == _oracle(tiny_model_dir, turn2, max_tokens)
+    assert "".join(out["chunks"]) == whole["text"]
+    assert_no_leaks(dep)
