@@ -222,6 +222,14 @@ class EngineClusterSpec:
     # its last answer (bytes, modeled seconds: the worker's new_transfers) to observe_transfer before
     # observe_prefill; a read-after-write hold is not compute (the live worker never sees it).
     # False: learn the prefill terms only, from router_cost (the adaptive-grid cells' "learned").
+    l3_events_next_flush: bool = False  # True: a step's write-through events (BlockStored L3) are
+    # published with the worker's NEXT event flush, as live (the engine hands the blocks to the
+    # connector's writer thread at the step's end, the worker flushes its events right after the
+    # step, before the write is done, so they go out after the next step, or idle_flush_s after the
+    # step when the worker has no more work, or when new work wakes it); False: at the step's end
+    # with its L1 events. Either way kv_event_delay_s is added, and the blocks are readable in L3
+    # from the step's end.
+    idle_flush_s: float = 0.05  # the idle worker loop's event flush period (cpd.worker.runtime: 0.05 s wall; / K)
     cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
     request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
     # live stack's per-request work that an engine step's cost does not hold (HTTP, the handoff's staging)
@@ -246,6 +254,8 @@ class _Inst:
     l3_writer: StepEndL3Connector | None = None  # the engine's connector (prefill side with L3)
     wait_s: dict = field(default_factory=dict)  # modeled seconds the executor waited, by kind (L2, L3, step)
     transfers_reported: dict = field(default_factory=dict)  # tier -> (bytes, s) at the last answer
+    l3_deferred: bool = False  # L3 events wait in batches for the next flush (l3_events_next_flush)
+    flushes: int = 0  # publishes so far (an idle flush scheduled before a later publish is stale)
 
 
 class EngineSimulator:
@@ -512,8 +522,15 @@ class EngineSimulator:
             self.at(now + self.c.elastic.interval_s, self._plan_roles)
 
     # -- engines -----------------------------------------------------------------------
-    def _kick(self, now: float, w: _Inst) -> None:
-        if w.busy or not w.engine.has_unfinished():
+    def _kick(self, now: float, w: _Inst, continuing: bool = False) -> None:
+        """Start ``w``'s next step if it is idle and has work. ``continuing``: called at the end of
+        its previous step (the live loop steps again without a flush in between); otherwise new
+        work woke an idle worker, whose loop flushes pending events first."""
+        if w.busy:
+            return
+        if w.l3_deferred and not continuing:
+            self._publish(now, w)
+        if not w.engine.has_unfinished():
             return
         outs = w.engine.step()
         dt = w.clock.take()
@@ -556,12 +573,19 @@ class EngineSimulator:
         self._step_done(now, w, outs)
 
     def _publish(self, t: float, w: _Inst) -> None:
+        w.l3_deferred = False
         if not w.batches:
             return
+        w.flushes += 1
         w.seq += 1
         batch = KVEventBatch(ts=t, events=w.batches)
         w.batches = []
         self.at(t + self.c.kv_event_delay_s, self._apply_events, w.wid, w.seq, batch)
+
+    def _idle_flush(self, now: float, w: _Inst, flushes: int) -> None:
+        """The idle worker loop's periodic flush (``l3_events_next_flush``)."""
+        if w.l3_deferred and w.flushes == flushes and not w.busy:
+            self._publish(now, w)
 
     def _apply_events(self, now: float, wid: str, seq: int, batch: KVEventBatch) -> None:
         self.index.apply_batch(wid, seq, batch)
@@ -570,7 +594,10 @@ class EngineSimulator:
         w.busy = False
         if w.l3_writer is not None and w.l3_writer.num_pending_saves:
             w.l3_writer.apply_pending()  # the step's write-through lands at its end
-            self._publish(now, w)  # with its L3 events
+            if self.c.l3_events_next_flush:
+                w.l3_deferred = True  # its L3 events go out with the next flush
+            else:
+                self._publish(now, w)  # with its L3 events
         for o in outs:
             i = int(o.request_id)
             rec = self._record(i)
@@ -601,7 +628,9 @@ class EngineSimulator:
                 rec["done_t"] = now
                 self._finished_on(w, rec)
                 self._release(now, i)
-        self._kick(now, w)
+        self._kick(now, w, continuing=True)
+        if w.l3_deferred and not w.busy:
+            self.at(now + self.c.idle_flush_s, self._idle_flush, w, w.flushes)
 
     def _finished_on(self, w: _Inst, rec: dict[str, Any]) -> None:
         """Decode load bookkeeping of a finished request: it leaves the running count of the decode

@@ -91,3 +91,42 @@ def test_a_learning_run_is_byte_identical():
         return json.dumps({"rec": sim.rec, "busy": sim.busy_s(), "cost": [m.prefill_tokens_per_s, m.l3_bytes_per_s]},
                           sort_keys=True)
     assert run() == run()
+
+
+@pytest.mark.parametrize("next_flush", [False, True])
+def test_write_through_events_go_out_with_the_next_flush_as_live(next_flush):
+    """Live, a step's write-through reaches the store's writer thread at the step's end, after the
+    worker has flushed that step's events: its BlockStored(L3) goes out with the next flush (after
+    the next step, or the idle loop's flush). Two 4-block prompts, one per step: A's L3 events
+    arrive with B's step, B's idle_flush_s after it; without the option, each with its own step."""
+    from cpd.kv.events import MEDIUM_L1, MEDIUM_L3, BlockStored
+
+    sched = SchedulerConfig(max_num_batched_tokens=4 * BS, max_num_seqs=8, max_prefill_chunk_tokens=4 * BS,
+                            block_size=BS)
+    insts = (EngineInstanceSpec("prefill", COST, sched, 200, 0), EngineInstanceSpec("decode", COST, sched, 200, 0))
+    cl = EngineClusterSpec(insts, RoutingConfig(topology="pd", block_size=BS, write_through=WriteThrough.ALL), BASE,
+                           BS, l3_bytes=1 << 40, kv_event_delay_s=0.01, l3_events_next_flush=next_flush,
+                           idle_flush_s=0.02)
+    reqs = [SimRequest(0.0, 4 * BS, 2, (1, 2, 3, 4)), SimRequest(0.0, 4 * BS, 2, (11, 12, 13, 14))]
+    sim = EngineSimulator(cl, reqs)
+    seen: dict[tuple[str, int], float] = {}
+    apply = sim._apply_events
+
+    def spy(now, wid, seq, batch):
+        for ev in batch.events:
+            if isinstance(ev, BlockStored) and wid.startswith("prefill"):
+                for h in ev.block_hashes:
+                    seen.setdefault((ev.medium, h), now)
+        apply(now, wid, seq, batch)
+    sim._apply_events = spy
+    hashes = [sim._prompt(r)[1] for r in reqs]
+    sim.run()
+    (a, b) = [[(seen[(MEDIUM_L1, h)], seen[(MEDIUM_L3, h)]) for h in hs] for hs in hashes]
+    a_l1, a_l3 = a[0]
+    b_l1, b_l3 = b[0]
+    assert a_l1 < b_l1, "one prompt per step"
+    if next_flush:
+        assert a_l3 == pytest.approx(b_l1)  # with the next step's events
+        assert b_l3 == pytest.approx(b_l1 + 0.02)  # idle: the loop's flush
+    else:
+        assert (a_l3, b_l3) == (pytest.approx(a_l1), pytest.approx(b_l1))
