@@ -122,6 +122,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-cost", choices=("learned", "fixed"), default="learned",
                    help="sim: the router's cost model: learned as the live router learns it (default), or the "
                         "fixed roofline model of the figures published before 2026-12-03 12:00")
+    p.add_argument("--l3-events", choices=("step-end", "next-flush"), default="step-end",
+                   help="sim: when a write-through's L3 events reach the router: with the computing step's "
+                        "(step-end) or with the worker's next event flush, as live (next-flush; "
+                        "EngineClusterSpec.l3_events_next_flush, idle flush 0.05 s wall / K)")
     p.add_argument("--kv-event-delay", type=float, default=0.01, help="sim: router index lag (modeled s)")
     p.add_argument("--goodput-tol", type=float, default=0.03)
     p.add_argument("--ttft-tol", type=float, default=0.10)
@@ -224,7 +228,8 @@ def run_sim(a: argparse.Namespace, name: str, reqs: list[SimRequest], vocab: int
                            l3_bytes=l3, kv_event_delay_s=a.kv_event_delay,
                            raw_ready_margin_s=cfg.router.raw_ready_margin_s / a.time_dilation,
                            learn_router_cost=learn, fit_router_cost=learn and cfg.router.prefill_cost_fit,
-                           learn_like_live=learn)
+                           learn_like_live=learn, l3_events_next_flush=getattr(a, "l3_events", "") == "next-flush",
+                           idle_flush_s=0.05 / a.time_dilation)
     sim = EngineSimulator(cl, reqs, vocab_size=vocab)
     start = sim.router_cost_model()
     sim.run()
