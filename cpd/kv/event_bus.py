@@ -3,7 +3,8 @@
 Wire format is vLLM's (see :mod:`cpd.kv.events`): multipart ``[topic, seq, payload]``.
 The publisher owns its socket in one thread (ZMQ sockets are not thread-safe); any
 thread may :meth:`EventPublisher.emit`. Events are batched per :meth:`flush` call
-(the worker flushes after every engine step).
+(the worker flushes after every engine step, and its L3 writer after every write-through:
+:class:`cpd.store.connector.L3Connector` ``on_written``).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +39,10 @@ class L3Connector:
     Args:
         store: the L3 store client.
         event_sink: if given, becomes ``store.event_sink`` (L3 ``BlockStored``/``BlockRemoved``).
+        on_written: called by the writer thread after each background write (the worker passes
+            its event publisher's ``flush``: a write-through's ``BlockStored(L3)`` goes out as soon
+            as the blocks are readable, not with the flush after the engine's next step, which
+            may be a long prefill later).
         write_async: hand saves to one background writer thread. Blocks are copied on
             ``save`` so the engine may reuse its buffers immediately.
         max_queue: pending saves (calls) before new ones are dropped.
@@ -47,8 +51,10 @@ class L3Connector:
     """
 
     def __init__(self, store: KVStore, event_sink: EventSink | None = None, write_async: bool = True,
-                 max_queue: int = 64, max_pending_bytes: int = 512 << 20, max_observations: int = 256):
+                 max_queue: int = 64, max_pending_bytes: int = 512 << 20, max_observations: int = 256,
+                 on_written: Callable[[], object] | None = None):
         self.store = store
+        self.on_written = on_written
         if event_sink is not None:
             store.event_sink = event_sink
         self._observations: deque[Observation] = deque(maxlen=max_observations)
@@ -173,6 +179,10 @@ class L3Connector:
             job, nbytes = item
             try:
                 self._write(job)
+                if self.on_written is not None:
+                    self.on_written()
+            except Exception as e:  # a failing hook never kills the writer thread
+                self.last_error = e
             finally:
                 with self._lock:
                     self._pending_bytes -= nbytes

@@ -136,7 +136,7 @@ def _l3_connector(me: WorkerIdentity, cfg: Config, publisher):
     from cpd.store.connector import L3Connector
     store = open_store(cfg.kv.l3_url, chunk_blocks=cfg.kv.l3_chunk_blocks or None,
                        capacity_bytes=cfg.kv.l3_capacity_bytes)
-    return L3Connector(store, event_sink=publisher.emit)
+    return L3Connector(store, event_sink=publisher.emit, on_written=publisher.flush)
 
 
 def secure_app(app, st: WorkerState, auth):

@@ -329,6 +329,28 @@ def test_concurrent_writers_one_intact_value(make_store):
     assert got in [v[0].tobytes() for v in vals]
 
 
+def test_connector_on_written_runs_after_each_write_with_its_events_emitted(make_store):
+    """The worker flushes its KV events from this hook: a write's BlockStored(L3) is emitted before
+    the hook runs, and a hook that raises never stops the writer."""
+    s, _ = make_store(1)
+    events: list = []
+    seen: list[int] = []
+
+    def hook() -> None:
+        seen.append(len([e for e in events if isinstance(e, BlockStored)]))
+        if len(seen) == 1:
+            raise RuntimeError("hook failed")
+
+    c = L3Connector(s, event_sink=events.append, write_async=True, on_written=hook)
+    hs, blocks = hashes(4), rand_blocks(4)
+    c.save(hs[:2], None, list(range(32)), blocks[:2])
+    c.save(hs[2:], hs[1], list(range(32, 64)), blocks[2:])
+    assert c.flush(5.0)
+    assert len(seen) == 2 and seen[0] >= 1 and seen[1] > seen[0], seen
+    assert c.lookup(hs) == 4 and isinstance(c.last_error, RuntimeError)
+    c.close()
+
+
 def test_connector_async_save_queue_and_events(make_store):
     s, _ = make_store(1)
     events = []
