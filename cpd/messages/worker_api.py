@@ -76,11 +76,13 @@ class L3Observation(msgspec.Struct, frozen=True):
     offset_s: float = 0.0
 
 
-class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
-    """Answer of ``POST /prefill``.
+class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of ``POST /prefill`` without ``token_ids`` (see :class:`PrefillResponse`): what the router
+    decodes. It holds the prompt already, and the staged sequence is the prompt + ``first_token_ids``, so
+    it skips the echo of a long prompt (msgspec skips an unknown field without building it).
 
     ``finish_reason`` is None when the request continues on a decode worker (``handoff`` set,
-    ``token_ids`` = prompt + first token, ``kv_bytes`` staged); else the first token ended it.
+    ``kv_bytes`` staged); else the first token ended it.
     ``num_cached_tokens_by_tier``: prompt tokens whose KV came from each tier. Times in seconds:
     ``prefill_s`` the whole call, ``queue_s`` waiting in the engine, ``compute_s`` the rest.
     ``fallback``: connector fallbacks by kind since the last answer; ``transfers``: per tier,
@@ -97,7 +99,6 @@ class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
     compute_s: float | None = None
     handoff: HandoffHandle | None = None
     kv_bytes: int = 0
-    token_ids: list[int] | None = None
     fallback: dict[str, int] = {}
     transfers: dict[Tier, tuple[int, float]] = {}
     l3_observations: list[L3Observation] = []
@@ -107,6 +108,13 @@ class PrefillResponse(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_cached_tokens(self) -> int:
         return sum(self.num_cached_tokens_by_tier.values())
+
+
+class PrefillResponse(PrefillAnswer, frozen=True, kw_only=True):
+    """Answer of ``POST /prefill`` as the worker sends it: :class:`PrefillAnswer` (the fields below) plus
+    ``token_ids`` (the staged sequence: prompt + first token, when handed off; None otherwise)."""
+
+    token_ids: list[int] | None = None
 
 
 RequestState = Literal["queued", "running", "held"]
@@ -137,6 +145,13 @@ class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
     engine_failed: bool = False
     engine_stuck: bool = False
     request_state: RequestState | None = None
+
+
+class PrefillAnswerLine(PrefillLine, frozen=True, omit_defaults=True):
+    """A :class:`PrefillLine` as the router reads it: its ``answer`` a :class:`PrefillAnswer` (the
+    prompt's echo in ``token_ids`` skipped)."""
+
+    answer: PrefillAnswer | None = None
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -323,7 +338,7 @@ def encode(msg: Any) -> bytes:
     return msgspec.json.encode(msg)
 
 
-__all__ = ["PrefillRequest", "PrefillResponse", "PrefillLine", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
+__all__ = ["PrefillRequest", "PrefillAnswer", "PrefillResponse", "PrefillLine", "PrefillAnswerLine", "L3Observation", "DecodeRequest", "DecodeLine", "AppendRequest",
            "RoleChangeRequest", "RoleChangeResponse", "LoadReport",
            "WorkerHealth", "KvSnapshot", "L3Snapshot", "WorkerInfoReport", "CostPrior", "Ack", "ErrorBody", "HandoffHandle",
            "HandoffRelease", "ChunkKey", "MalformedBody", "decode_body", "encode", "error_code"]

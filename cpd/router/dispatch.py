@@ -63,7 +63,7 @@ import httpx
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, PrefillRequest, PrefillResponse,
+from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, PrefillAnswer, PrefillRequest,
                                      encode)
 from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
 from cpd.policy.routing import pick_decode, work_s
@@ -92,7 +92,7 @@ class _Prefilled:
     """A prefill's answer with what the router decided for it. ``staging_deadline`` (router
     monotonic clock): after it the sender may have reclaimed the staging."""
 
-    answer: PrefillResponse
+    answer: PrefillAnswer
     decision: RouteDecision
     hashes: list[BlockHash]
     staging_deadline: float
@@ -296,7 +296,8 @@ class CPDBackend:
         n_out = len(ans.first_token_ids)
         t_first = time.monotonic()
         assert d.decode_worker is not None  # decide() refuses decisions without one
-        async with aclosing(self._decode_with_retry(run, pre, ans.token_ids or [], n_out, d.decode_worker)) as chunks:
+        staged_ids = list(req.prompt_token_ids) + list(ans.first_token_ids)  # the staged sequence (PrefillAnswer)
+        async with aclosing(self._decode_with_retry(run, pre, staged_ids, n_out, d.decode_worker)) as chunks:
             async for chunk in chunks:
                 n_out += len(chunk.token_ids)
                 yield chunk
@@ -361,10 +362,10 @@ class CPDBackend:
     def _record_append(self, run: _Run, d: RouteDecision, line: DecodeLine, ttft_s: float, n_prompt: int) -> None:
         """Metrics and the ``/cpd/requests`` record of an append, from its first line (the
         figures a prefill answer would carry)."""
-        ans = PrefillResponse(first_token_ids=list(line.token_ids), finish_reason=line.finish_reason,
-                              num_cached_tokens_by_tier=dict(line.num_cached_tokens_by_tier or {}),
-                              prefill_s=ttft_s, queue_s=line.queue_s,
-                              compute_s=None if line.queue_s is None else max(0.0, ttft_s - line.queue_s))
+        ans = PrefillAnswer(first_token_ids=list(line.token_ids), finish_reason=line.finish_reason,
+                            num_cached_tokens_by_tier=dict(line.num_cached_tokens_by_tier or {}),
+                            prefill_s=ttft_s, queue_s=line.queue_s,
+                            compute_s=None if line.queue_s is None else max(0.0, ttft_s - line.queue_s))
         record_prefill(self.metrics, self.estimates, d, ans, ttft_s, n_prompt)
         self.recent.remember(run.req.request_id, d, ans, n_prompt, ttft_s, raw_wait_s=run.raw_wait_s)
 
@@ -414,7 +415,7 @@ class CPDBackend:
                            "service_unavailable", retry_after_s=1)
 
     async def _prefill(self, run: _Run, d: RouteDecision, hashes: list[BlockHash],
-                       sampling: SamplingParams | None = None) -> PrefillResponse:
+                       sampling: SamplingParams | None = None) -> PrefillAnswer:
         """One ``POST /prefill``, streamed with progress and bounded by it
         (:func:`cpd.router.prefill_relay.post_prefill`), never by the policy's estimate: an
         estimate that is wrong must not fail a prefill that is making progress. With ``write_through`` the blocks it computes are announced as pending L3
@@ -587,7 +588,7 @@ class CPDBackend:
         """Worker load snapshots with this request's excluded workers marked unhealthy."""
         return [replace(s, healthy=False) if s.worker_id in excluded else s for s in self.workers.snapshots()]
 
-    def _correct_stale_index(self, d: RouteDecision, ans: PrefillResponse, sent_s: float) -> None:
+    def _correct_stale_index(self, d: RouteDecision, ans: PrefillAnswer, sent_s: float) -> None:
         """Bring the L3 view in line with what the worker found in the store (issue 7 §6): it
         reports, per probe or read, exactly which chunks were present and which were missing
         or corrupt, and only those change — valid chunks before or after a bad one stay, and

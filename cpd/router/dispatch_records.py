@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import asdict
 from typing import Any, Mapping
 
-from cpd.messages.worker_api import PrefillResponse
+from cpd.messages.worker_api import PrefillAnswer
 from cpd.policy.routing import LinearCostModel, RouteDecision
 from cpd.router.api_keys import current_tenant
 from cpd.router.estimates import CostEstimates
@@ -19,7 +19,7 @@ from cpd.types import Tier
 MAX_RECENT_REQUESTS = 1000
 
 
-def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision, pre: PrefillResponse,
+def record_prefill(m: RouterMetrics, estimates: CostEstimates, d: RouteDecision, pre: PrefillAnswer,
                    ttft_s: float, num_prompt_tokens: int) -> None:
     """Metrics and cost-model observations of one finished prefill."""
     m.routed.labels(d.request_class, d.pool).inc()
@@ -86,7 +86,7 @@ class RecentRequests:
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._tenant_of: dict[str, str | None] = {}
 
-    def remember(self, request_id: str, d: RouteDecision, pre: PrefillResponse, num_prompt_tokens: int,
+    def remember(self, request_id: str, d: RouteDecision, pre: PrefillAnswer, num_prompt_tokens: int,
                  ttft_s: float, raw_wait_s: float = 0.0) -> None:
         """Record one routed request: the decision (``reason``: why the winner won; ``candidates``:
         every candidate's estimates, seconds), what the worker reported (cache hits per tier, its

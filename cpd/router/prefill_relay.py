@@ -18,7 +18,7 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from cpd.messages.worker_api import (ENGINE_FAILED, MalformedBody, PrefillLine, PrefillRequest, PrefillResponse,
+from cpd.messages.worker_api import (ENGINE_FAILED, MalformedBody, PrefillAnswer, PrefillAnswerLine, PrefillRequest,
                                      decode_body, encode, error_code)
 from cpd.router.protocol import BackendError
 from cpd.router.timeouts import DispatchTimeouts
@@ -31,7 +31,7 @@ class PrefillStalled(asyncio.TimeoutError):
 
 
 async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, url: str, worker_id: str,
-                       body: PrefillRequest) -> PrefillResponse:
+                       body: PrefillRequest) -> PrefillAnswer:
     """Send ``body`` (with ``stream_progress`` set) to ``url`` and return the answer line.
 
     Raises:
@@ -68,7 +68,7 @@ def _with_progress(body: PrefillRequest) -> PrefillRequest:
 
 
 async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s: float,
-                  worker_id: str) -> PrefillResponse:
+                  worker_id: str) -> PrefillAnswer:
     """Read progress lines until the answer line, each wait bounded by the progress so far."""
     it = lines.__aiter__()
     last_line_s = last_step_s = sent_s
@@ -85,7 +85,7 @@ async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s:
         if not line:
             continue
         try:
-            msg = decode_body(line.encode(), PrefillLine)
+            msg = decode_body(line.encode(), PrefillAnswerLine)  # the prompt echo (token_ids) skipped
         except MalformedBody as e:
             raise BackendError(f"prefill worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
         if msg.answer is not None:

@@ -20,7 +20,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from typing import Any, Iterable, Mapping, Sequence
+import re
+import threading
+from collections import OrderedDict
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 CHAT_ROLES = ("system", "user", "assistant")
 """Roles accepted in chat messages (``developer`` is accepted as an alias of ``system``)."""
@@ -122,6 +125,7 @@ class Tokenizer:
         self.eos_token_id = hf.eos_token_id
         self.special_ids = frozenset(int(i) for i in (hf.all_special_ids or ()))
         self.digest = _dir_digest(path) if path else ""
+        self.segments = SegmentCache.build(hf)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a completions prompt string (special tokens added as the tokenizer
@@ -143,10 +147,18 @@ class Tokenizer:
             text = text[0]
         return text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], cache_scope: Hashable = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template with the generation
-        prompt appended (see module docstring). Raises like :meth:`render_chat`."""
+        prompt appended (see module docstring). Raises like :meth:`render_chat`.
+
+        With a :class:`SegmentCache` (a fast tokenizer whose added tokens all split the text as
+        they are, see there) the rendered text is encoded segment by segment, and long segments
+        (a session's earlier messages) come from the cache of ``cache_scope`` (the tenant and
+        cache salt: a scope never sees another's entries, not even as a faster answer); the ids
+        are exactly those of encoding the whole text."""
         text = self.render_chat(messages)
+        if self.segments is not None:
+            return self.segments.encode(text, cache_scope)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -156,6 +168,108 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(token_ids)))
+
+
+class SegmentCache:
+    """Encode text (``add_special_tokens=False``) as the ``tokenizers`` library does, with the ids of
+    long pieces cached.
+
+    The library first splits the text at its added tokens (leftmost-longest match), maps each to
+    its id and encodes every piece between them on its own (normalizer, pre-tokenizer, model);
+    without special tokens to add, the ids are the concatenation. This class makes the same split
+    and encodes the pieces in one ``encode_batch``; pieces of at least ``min_cached_chars`` are kept
+    (LRU, at most ``max_cached_chars`` of text in all), so that a chat session's next turn, whose
+    earlier messages are the same pieces (``role\\ncontent`` between ``<|im_start|>`` and
+    ``<|im_end|>``), only encodes its new ones. Built only when that split is exact: every added token
+    matched on the raw text as written (``normalized``, ``lstrip``, ``rstrip`` and ``single_word`` off,
+    which a token marked special has by default), and checked against the whole-text encoding
+    of a sample at start-up. Thread-safe."""
+
+    def __init__(self, backend: Any, added: dict[str, int], min_cached_chars: int = 256,
+                 max_cached_chars: int = 32 << 20):
+        self.backend = backend
+        self.added = added
+        self.split_re = re.compile("|".join(re.escape(c) for c in sorted(added, key=len, reverse=True)))
+        self.min_cached_chars = min_cached_chars
+        self.max_cached_chars = max_cached_chars
+        self._cache: OrderedDict[tuple[Hashable, str], tuple[int, ...]] = OrderedDict()
+        self._cached_chars = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        self._encode_batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+
+    @classmethod
+    def build(cls, hf: Any) -> "SegmentCache | None":
+        """The cache for ``hf`` (a ``transformers`` tokenizer), or None where the split would not be
+        exact (a slow tokenizer, an added token matched after normalization or stripping spaces)."""
+        backend = getattr(hf, "_tokenizer", None)
+        if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+            return None
+        added: dict[str, int] = {}
+        for tid, t in backend.get_added_tokens_decoder().items():
+            if t.normalized or t.lstrip or t.rstrip or t.single_word or not t.content:
+                return None
+            added[t.content] = int(tid)
+        if not added:
+            return None
+        cache = cls(backend, added)
+        sample = ("<|im_start|>system\nYou are  helpful.<|im_end|>\n<|im_start|>user\n  héllo wörld\t\n\n"
+                  "x<|im_end|><|im_end|>12345 ' s 's\r\n😀" + "".join(added) + " tail")
+        if cache.encode(sample, "self-check") != list(backend.encode(sample, add_special_tokens=False).ids):
+            return None
+        cache.clear()
+        return cache
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._cached_chars = 0
+            self.hits = self.misses = 0
+
+    def encode(self, text: str, scope: Hashable = None) -> list[int]:
+        parts: list[Any] = []  # per piece: its ids (tuple), or the text to encode (str)
+        pos = 0
+        for m in self.split_re.finditer(text):
+            if m.start() > pos:
+                parts.append(text[pos:m.start()])
+            parts.append((self.added[m.group()],))
+            pos = m.end()
+        if pos < len(text):
+            parts.append(text[pos:])
+        todo: list[int] = []
+        with self._lock:
+            for i, p in enumerate(parts):
+                if not isinstance(p, str):
+                    continue
+                ids = self._cache.get((scope, p)) if len(p) >= self.min_cached_chars else None
+                if ids is None:
+                    todo.append(i)
+                else:
+                    self._cache.move_to_end((scope, p))
+                    parts[i] = ids
+                    self.hits += 1
+        if todo:
+            encodings = self._encode_batch([parts[i] for i in todo], add_special_tokens=False)
+            with self._lock:
+                for i, enc in zip(todo, encodings):
+                    piece, ids = parts[i], tuple(enc.ids)
+                    parts[i] = ids
+                    if len(piece) >= self.min_cached_chars:
+                        self.misses += 1
+                        self._remember((scope, piece), ids)
+        out: list[int] = []
+        for ids in parts:
+            out.extend(ids)
+        return out
+
+    def _remember(self, key: tuple[Hashable, str], ids: tuple[int, ...]) -> None:
+        if key in self._cache or len(key[1]) > self.max_cached_chars:
+            return
+        self._cache[key] = ids
+        self._cached_chars += len(key[1])
+        while self._cached_chars > self.max_cached_chars:
+            (_, old), _ = self._cache.popitem(last=False)
+            self._cached_chars -= len(old)
 
 
 @functools.lru_cache(maxsize=8)
@@ -169,4 +283,4 @@ def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
     return Tokenizer(hf, tokenizer_dir)
 
 
-__all__ = ["Tokenizer", "load_tokenizer", "normalize_messages", "MessageError", "CHAT_ROLES"]
+__all__ = ["Tokenizer", "SegmentCache", "load_tokenizer", "normalize_messages", "MessageError", "CHAT_ROLES"]

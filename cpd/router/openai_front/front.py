@@ -4,6 +4,7 @@ as one JSON body or as a server-sent event stream."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -15,13 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from cpd.messages.sampling import SamplingParams
+from cpd.router.api_keys import current_tenant
 from cpd.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid, type_for_status
 from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclose_quietly
 from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from cpd.router.openai_front.sse import SSE_DONE, SSEResponse, sse_event
 from cpd.router.openai_front.text_state import TextState, drain
-from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, single_prompt,
-                                                validation_error)
+from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, validation_error,
+                                                without_token_prompt)
 from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
 from cpd.router.tokenization import MessageError, Tokenizer
@@ -82,27 +84,32 @@ class OpenAIFront:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'", INVALID_REQUEST, "model", "model_not_found")
 
-    async def _completion_prompt(self, prompt: Any) -> list[int]:
-        prompt = single_prompt(prompt)
+    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """``prompt``: the body's one prompt (:func:`single_prompt`)."""
         if isinstance(prompt, str):
             ids = await tokenize(self.tokenizer.encode_prompt, prompt, len(prompt))
         else:
             ids = list(prompt)
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.vocab_size:
-                    raise invalid(f"token id {t} at position {i} is outside the vocabulary "
-                                  f"[0, {self.vocab_size})", "prompt")
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C-level; the loop names the first
+                for i, t in enumerate(ids):
+                    if not 0 <= t < self.vocab_size:
+                        raise invalid(f"token id {t} at position {i} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", "prompt")
         if not ids:
             raise invalid("prompt must not be empty", "prompt")
         return ids
 
-    async def _chat_prompt(self, messages: Any) -> list[int]:
+    async def _chat_prompt(self, messages: Any, cache_salt: str | None = None) -> list[int]:
+        """Token ids of the chat ``messages``; the tokenizer's cache of long message pieces is scoped
+        by the tenant and ``cache_salt`` (:meth:`Tokenizer.apply_chat_template`), as the KV cache is."""
         if messages is None:
             raise invalid("'messages' is a required property", "messages")
         size = sum(len(str(m.get("content", ""))) for m in messages
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
+        scope = (current_tenant.get(), cache_salt)
         try:
-            ids = await tokenize(self.tokenizer.apply_chat_template, messages, size)
+            ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope),
+                                 messages, size)
         except MessageError as e:
             raise invalid(str(e), e.param)
         except ValueError as e:
@@ -113,10 +120,10 @@ class OpenAIFront:
 
     async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
         obj = await self._body(request)
-        check_union_fields(obj, chat)
+        prompt = check_union_fields(obj, chat)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         try:
-            req = model_cls.model_validate(obj)
+            req = model_cls.model_validate(without_token_prompt(obj, prompt))
         except ValidationError as e:
             raise validation_error(e)
         self._check_model(req.model)
@@ -145,10 +152,11 @@ class OpenAIFront:
             raise invalid(f"{mt_param} must be at least 1", mt_param)
 
         if chat:
-            prompt_ids = await self._chat_prompt(obj["messages"])
+            prompt_ids = await self._chat_prompt(obj["messages"], req.cache_salt)
             prompt_param = "messages"
         else:
-            prompt_ids = await self._completion_prompt(obj["prompt"])
+            assert prompt is not None  # check_union_fields returned the completions prompt
+            prompt_ids = await self._completion_prompt(prompt)
             prompt_param = "prompt"
         n = len(prompt_ids)
         if n >= self.max_model_len:
