@@ -250,14 +250,12 @@ class CPDBackend:
                         yield chunk
                 return
             except (DecodeFailed, BackendError) as e:
-                sent = bool(decoded)
-                if sent and (isinstance(e, BackendError) or not e.worker_failed
-                             or self.timeouts.max_decode_migrations <= 0):
+                if decoded:  # the client has tokens: migrate if allowed, else a mid-stream error
                     if isinstance(e, BackendError):
                         raise
-                    raise BackendError(f"decode worker {d.decode_worker} failed mid-stream: {e}", 502,
-                                       "server_error") from e
-                if sent:
+                    if not e.worker_failed or self.timeouts.max_decode_migrations <= 0:
+                        raise BackendError(f"decode worker {d.decode_worker} failed mid-stream: {e}", 502,
+                                           "server_error") from e
                     async with aclosing(self._migrate_append(run, d, decoded, e)) as chunks:
                         async for chunk in chunks:
                             yield chunk
