@@ -98,12 +98,13 @@ class SamplingParams:
         if not 0 <= min_tokens <= max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         stop_ids = tuple(_integer("stop_token_ids[]", t) for t in self.stop_token_ids)
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                            ("min_p", min_p), ("repetition_penalty", repetition_penalty),
-                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                            ("min_tokens", min_tokens), ("max_tokens", max_tokens), ("seed", seed), ("ignore_eos", bool(self.ignore_eos)),
-                            ("stop_token_ids", stop_ids)):
-            object.__setattr__(self, name, value)
+        checked: tuple[tuple[str, object], ...] = (
+            ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+            ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
+            ("frequency_penalty", frequency_penalty), ("min_tokens", min_tokens), ("max_tokens", max_tokens),
+            ("seed", seed), ("ignore_eos", bool(self.ignore_eos)), ("stop_token_ids", stop_ids))
+        for attr, checked_value in checked:
+            object.__setattr__(self, attr, checked_value)
 
     @property
     def uses_history(self) -> bool:

@@ -220,12 +220,14 @@ class EngineRunner:
         open. A stream closed meanwhile (its handler dropped the request: ``abort`` closes the
         stream before the handler releases the staging) gets nothing staged, or what was staged is
         released at once, so that nothing outlives the request."""
+        stage = self.stage_handoff
+        assert stage is not None  # the loop calls this only on a worker that stages handoffs
         for out in outputs:
             if out.finish_reason != "handoff" or not self.in_flight(out.request_id):
                 continue
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                fut.set_result(self.stage_handoff(out.request_id))
+                fut.set_result(stage(out.request_id))
             except Exception as e:  # the handler answers it as an error of this request only
                 fut.set_exception(e)
             with self._streams_lock:
