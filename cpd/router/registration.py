@@ -2,7 +2,9 @@
 
 Body: ``{"worker_id", "role", "url", "events_endpoint"}`` — where the router reaches the
 worker's internal API and KV-event publisher. With an internal secret configured the request
-must be signed (:mod:`cpd.auth`; 401 unsigned, 403 wrong secret, both logged). The router then
+must be signed (:mod:`cpd.auth`; 401 unsigned, 403 wrong secret, both logged); with client API keys
+on and no internal secret it is refused (403 ``internal_secret_required``, as ``POST /cpd/role``):
+the route bypasses the API-key check, so it would be open to anyone. The router then
 checks the worker as it checks a statically configured one (``GET /info``:
 :mod:`cpd.router.compat`): a worker with another KV namespace or a smaller context is refused
 (409 with the reason; logged), never routed to.
@@ -145,6 +147,11 @@ def install(app: FastAPI, router: "Router", secret: bytes | None, max_skew_s: fl
             r = _error(429, "too many registrations; retry later", "registration_rate_limited")
             r.headers["Retry-After"] = "1"
             return r
+        if not secret and router.api_keys.enabled:  # clients authenticate, workers would not: refuse
+            log.error("refused a registration from %s: client API keys are on but no internal secret is set",
+                      request.client.host if request.client else "?")
+            return _error(403, "POST /cpd/register needs the internal secret (auth.internal_secret_file or "
+                               "$CPD_INTERNAL_SECRET) when client API keys are on", "internal_secret_required")
         body = await request.body()
         refused = check_signature(request, body, secret, max_skew_s, "a registration")
         if refused is not None:
