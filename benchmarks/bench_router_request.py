@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time-dilation", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
+    p.add_argument("--py-spy", default="", help="DIR: sample each variant's router with py-spy (collapsed "
+                                                "stacks, all threads) into DIR/<variant>.txt")
     a = p.parse_args(argv)
     if a.serve_router:
         _serve_router(a.serve_router, a.port)
@@ -293,6 +295,15 @@ def main(argv: list[str] | None = None) -> None:
             for _, url in procs.values():
                 _wait_healthy(url)
             time.sleep(1.0)
+            spies = []
+            if a.py_spy:
+                Path(a.py_spy).mkdir(parents=True, exist_ok=True)
+                spy = str(Path(sys.executable).parent / "py-spy")
+                spies = [subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--rate", "250", "--threads",
+                                           "--format", "raw", "-o", str(Path(a.py_spy) / f"{name}.txt")],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         for name, (proc, _) in procs.items()]
+                time.sleep(1.0)
             client = httpx.Client(timeout=600)
             names = [n for n, _ in variants]
             sessions: dict[tuple[str, int], list[dict]] = {}  # chat_turn: (variant, length) -> messages so far
@@ -339,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
                                              "prompt_tokens": r.json()["usage"]["prompt_tokens"],
                                              "body_bytes": len(raw), **st})
                 print(f"round {rep} done", file=sys.stderr, flush=True)
+            for spy_proc in spies:
+                spy_proc.send_signal(2)  # SIGINT: py-spy writes its file
+                spy_proc.wait(timeout=60)
         finally:
             for proc, _ in procs.values():
                 proc.terminate()

@@ -47,6 +47,8 @@ class L3View:
         self._clock = clock
         self._ends: dict[int, dict[int, float]] = {}  # last hash -> {n_blocks: when learned}
         self._max_n = 1
+        self._num_chunks = 0  # len of every _ends entry, kept as they change (sizes() is polled)
+        self._num_blocks = 0  # sum of the n of every chunk
         self._journal: list[tuple[str, tuple]] | None = None
 
     # --- updates ---------------------------------------------------------------------
@@ -70,7 +72,11 @@ class L3View:
                 continue
             if n in ns:
                 del ns[n]
+                self._num_chunks -= 1
+                self._num_blocks -= n
             else:  # the event does not say which chunk: drop all ending there (relearned on use)
+                self._num_chunks -= len(ns)
+                self._num_blocks -= sum(ns)
                 ns.clear()
             if not ns:
                 del self._ends[last]
@@ -83,12 +89,15 @@ class L3View:
         it, which may be newer than the probe; chunks first learned here are dated ``since``."""
         present = [(int(h), int(n)) for h, n in present]
         gone = [(int(h), int(n)) for h, n in gone]
-        self._log("observe", (list(block_hashes), present, gone, since))
+        if self._journal is not None:
+            self._log("observe", (list(block_hashes), present, gone, since))
         seen = set(present)
-        for h in block_hashes:
-            for n in list(self._ends.get(int(h), ())):
-                if (int(h), n) not in seen:
-                    self._discard_older((int(h), n), since)
+        # only the hashes that end a known chunk need a look (a set intersection in C: a 128K-token
+        # prompt names ~8K hashes, few of which end chunks); each (hash, n) is decided on its own
+        for h in self._ends.keys() & set(map(int, block_hashes)):
+            for n in list(self._ends.get(h, ())):
+                if (h, n) not in seen:
+                    self._discard_older((h, n), since)
         for key in present:  # seen at the probe, i.e. at `since` at the latest: never re-dated later
             if key[1] not in self._ends.get(key[0], ()):
                 self._add(key, since)
@@ -104,6 +113,8 @@ class L3View:
             return
         if since is None or ns[key[1]] <= since:
             del ns[key[1]]
+            self._num_chunks -= 1
+            self._num_blocks -= key[1]
             if not ns:
                 del self._ends[key[0]]
 
@@ -116,6 +127,7 @@ class L3View:
         journal, self._journal = self._journal or [], None
         self._ends = {}
         self._max_n = 1
+        self._num_chunks = self._num_blocks = 0
         for key in keys:
             self._add((int(key[0]), int(key[1])))
         for op, args in journal:
@@ -146,11 +158,12 @@ class L3View:
         return covered
 
     def num_chunks(self) -> int:
-        return sum(len(ns) for ns in self._ends.values())
+        return self._num_chunks
 
     def num_blocks(self) -> int:
-        """Blocks named by the chunks (a block in two chunks counts twice)."""
-        return sum(sum(ns.keys()) for ns in self._ends.values())
+        """Blocks named by the chunks (a block in two chunks counts twice); kept as chunks come
+        and go (the router's maintenance loop reads it every 0.2 s, under the index lock)."""
+        return self._num_blocks
 
     def keys(self) -> list[ChunkKey]:
         return sorted((h, n) for h, ns in self._ends.items() for n in ns)
@@ -164,7 +177,11 @@ class L3View:
         return [(hs[min(s + step, len(hs)) - 1], min(s + step, len(hs)) - s) for s in range(0, len(hs), step)]
 
     def _add(self, key: ChunkKey, learned_at: float | None = None) -> None:
-        self._ends.setdefault(key[0], {})[key[1]] = self._clock() if learned_at is None else learned_at
+        ns = self._ends.setdefault(key[0], {})
+        if key[1] not in ns:
+            self._num_chunks += 1
+            self._num_blocks += key[1]
+        ns[key[1]] = self._clock() if learned_at is None else learned_at
         if key[1] > self._max_n:
             self._max_n = key[1]
 

@@ -22,8 +22,8 @@ from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclos
 from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from cpd.router.openai_front.sse import SSE_DONE, SSEResponse, sse_event
 from cpd.router.openai_front.text_state import TextState, drain
-from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, validation_error,
-                                                without_token_prompt)
+from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, token_range,
+                                                validation_error, without_token_prompt)
 from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
 from cpd.router.tokenization import MessageError, Tokenizer
@@ -84,13 +84,14 @@ class OpenAIFront:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'", INVALID_REQUEST, "model", "model_not_found")
 
-    async def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
-        """``prompt``: the body's one prompt (:func:`single_prompt`)."""
+    async def _completion_prompt(self, prompt: str | list[int], bounds: tuple[int, int] | None = None) -> list[int]:
+        """``prompt``: the body's one prompt (:func:`single_prompt`); ``bounds``: its :func:`token_range`."""
         if isinstance(prompt, str):
             ids = await tokenize(self.tokenizer.encode_prompt, prompt, len(prompt))
         else:
             ids = list(prompt)
-            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C-level; the loop names the first
+            lo, hi = bounds or token_range(ids) or (0, 0)
+            if ids and (lo < 0 or hi >= self.vocab_size):  # C-level min/max; the loop names the first
                 for i, t in enumerate(ids):
                     if not 0 <= t < self.vocab_size:
                         raise invalid(f"token id {t} at position {i} is outside the vocabulary "
@@ -121,9 +122,10 @@ class OpenAIFront:
     async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
         obj = await self._body(request)
         prompt = check_union_fields(obj, chat)
+        bounds = token_range(prompt)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
         try:
-            req = model_cls.model_validate(without_token_prompt(obj, prompt))
+            req = model_cls.model_validate(without_token_prompt(obj, prompt, bounds))
         except ValidationError as e:
             raise validation_error(e)
         self._check_model(req.model)
@@ -156,7 +158,7 @@ class OpenAIFront:
             prompt_param = "messages"
         else:
             assert prompt is not None  # check_union_fields returned the completions prompt
-            prompt_ids = await self._completion_prompt(prompt)
+            prompt_ids = await self._completion_prompt(prompt, bounds)
             prompt_param = "prompt"
         n = len(prompt_ids)
         if n >= self.max_model_len:

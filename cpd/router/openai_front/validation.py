@@ -130,13 +130,23 @@ def check_union_fields(obj: dict[str, Any], chat: bool) -> str | list[int] | Non
     return prompt
 
 
-def without_token_prompt(obj: dict[str, Any], prompt: str | list[int] | None) -> dict[str, Any]:
+def token_range(prompt: str | list[int] | None) -> tuple[int, int] | None:
+    """``(min, max)`` of a token-id prompt (two C-level passes), None for anything else or an empty list."""
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    return min(prompt), max(prompt)
+
+
+def without_token_prompt(obj: dict[str, Any], prompt: str | list[int] | None,
+                         bounds: tuple[int, int] | None = None) -> dict[str, Any]:
     """``obj`` for the request model: a token-id ``prompt`` (a list of ints, :func:`single_prompt`)
     whose ids are all >= 0 passes the model's ``prompt`` schema whatever its length, so the model is
     given a one-id stand-in of the same shape instead (validating 128K ids one by one costs ~10 ms);
     the caller keeps using the real prompt. Anything else (text, a negative id) is validated as is,
-    so every error is the model's own."""
-    if not isinstance(prompt, list) or len(prompt) < 2 or min(prompt) < 0:
+    so every error is the model's own. ``bounds``: :func:`token_range` of ``prompt`` if known."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return obj
+    if (bounds or token_range(prompt) or (0, 0))[0] < 0:
         return obj
     raw = obj["prompt"]
     return {**obj, "prompt": [0] if raw is prompt else [[0]]}
