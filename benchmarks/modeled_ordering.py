@@ -35,6 +35,11 @@ estimates (× K) as a fixed cost model: it tells a difference of the router's in
 difference of the simulated mechanism. Each side's end-of-run estimates are in the results
 (``router_cost_end``, modeled units).
 
+When the router learns that a write-through block is in L3 (``--l3-events``): ``step-end``
+(default), with the events of the step that computed it, ``kv_event_delay`` later; ``next-flush``,
+with the worker's next event flush, as the live worker loop does (after its next step, or 0.05 s
+wall / K after the step when idle; :attr:`cpd.sim.engine_sim.EngineClusterSpec.l3_events_next_flush`).
+
 Metrics over the requests arriving in ``[warm_s, duration_s)`` (the same requests on both sides):
 goodput (share with TTFT ≤ ``slo_ttft_s`` and TPOT ≤ ``slo_tpot_s``; failed requests fail), TTFT
 p50/p90 (all, warm, cold), TPOT p50, pool and class shares, and the per-request class+pool
