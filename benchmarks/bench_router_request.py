@@ -32,6 +32,10 @@ hash                block hashing (``hash_blocks`` in ``cpd.router.dispatch``)
 match_route         the rest of ``CPDBackend._decide``: index match, snapshots, policy
 prefill_encode      JSON of the ``PrefillRequest`` (``encode`` in ``prefill_relay``)
 prefill_decode      decoding the prefill's NDJSON lines (``decode_body`` in ``prefill_relay``)
+l3_observe          applying the answer's L3 observations to the index (``_correct_stale_index``)
+pending_writes      announcing a write-through's blocks as pending L3 writes (``add_pending_writes``)
+answer_bytes        size of the prefill answer line (bytes, not ms); ``l3_observed_hashes``: block
+                    hashes in its L3 observations (count, not ms)
 decode_encode       JSON of the ``DecodeRequest`` (``encode`` in ``decode_relay``)
 decode_lines        decoding the decode stream's lines (``decode_body`` in ``decode_relay``)
 detokenize          ``TextState.on_chunk`` / ``on_end``
@@ -73,7 +77,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 
 STAGES = ("body_read", "json_parse", "validate", "tokenize", "hash", "match_route", "prefill_encode",
-          "prefill_decode", "decode_encode", "decode_lines", "detokenize", "response", "prefill_wait",
+          "prefill_decode", "l3_observe", "pending_writes", "answer_bytes", "l3_observed_hashes", "decode_encode", "decode_lines", "detokenize", "response", "prefill_wait",
           "worker_prefill", "decode_wait", "handle", "router_own", "router_cpu", "client_wall")
 
 
@@ -131,6 +135,8 @@ def _serve_router(config: str, port: int) -> None:
     patch(decode_relay, "encode", "decode_encode")
     patch(decode_relay, "decode_body", "decode_lines")
     patch(dispatch, "post_prefill", "prefill_call")
+    patch(dispatch.CPDBackend, "_correct_stale_index", "l3_observe")
+    patch(dispatch.PrefixIndex, "add_pending_writes", "pending_writes")
     patch(text_state.TextState, "on_chunk", "detokenize")
     patch(text_state.TextState, "on_end", "detokenize")
 
@@ -145,6 +151,8 @@ def _serve_router(config: str, port: int) -> None:
         ans = getattr(msg, "answer", None)
         if ans is not None:
             acc["worker_prefill"] += ans.prefill_s
+            acc["answer_bytes"] += len(data) / 1e3  # shown x 1e3: bytes
+            acc["l3_observed_hashes"] += sum(len(o.block_hashes) for o in ans.l3_observations) / 1e3
         return msg
     prefill_relay.decode_body = prefill_decode
 
@@ -191,7 +199,8 @@ def _serve_router(config: str, port: int) -> None:
             g = ms.get
             out = {k: g(k, 0.0) for k in ("body_read", "json_parse", "tokenize", "hash", "prefill_encode",
                                           "prefill_decode", "decode_encode", "decode_lines", "detokenize",
-                                          "response", "worker_prefill", "handle", "router_cpu")}
+                                          "response", "worker_prefill", "handle", "router_cpu", "l3_observe",
+                                          "pending_writes", "answer_bytes", "l3_observed_hashes")}
             out["validate"] = g("prepare", 0.0) - g("body_read", 0.0) - g("json_parse", 0.0) - g("tokenize", 0.0)
             out["match_route"] = g("decide", 0.0) - g("hash", 0.0)
             out["prefill_wait"] = g("prefill_call", 0.0) - g("prefill_encode", 0.0) - g("prefill_decode", 0.0)
