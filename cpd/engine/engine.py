@@ -489,8 +489,10 @@ class Engine:
         return list(r.tokens)
 
     def has_unfinished(self) -> bool:
-        """True while any request is queued or running (held prefill requests do not count)."""
-        return bool(self._inbox or self._waiting or self._running)
+        """True while any request is queued or running, or an output is still to be returned
+        by :meth:`step` (e.g. the ``"abort"`` of a request aborted between steps); held
+        prefill requests do not count."""
+        return bool(self._inbox or self._waiting or self._running or self._pending_outputs)
 
     def request_state(self, request_id: str) -> str | None:
         """``"queued"`` (not yet admitted), ``"running"``, ``"held"`` (prefilled, KV kept for
@@ -917,11 +919,11 @@ class Engine:
     def _admit(self, prepared: list[_Req]) -> tuple[SchedulePlan[str], dict[str, _Req]]:
         """Schedule this step: preempt, admit, and return ``(plan, requests by id)``."""
         cfg = self.scheduler_config
+        by_id = {r.id: r for r in self._running}
         plan = schedule(
             [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in self._running],
             [SeqState(r.id, len(r.tokens), r.num_computed, len(r.blocks)) for r in prepared],
-            self.pool.num_free_blocks(), cfg)
-        by_id = {r.id: r for r in self._running}
+            self.pool.num_free_blocks(), cfg, lambda rid: self.pool.num_exclusive_blocks(by_id[rid].blocks))
         by_id.update({r.id: r for r in prepared})
         # preemption (recompute): free blocks, requeue at the front in admission order
         if plan.preempted:

@@ -82,6 +82,11 @@ class KVPool:
         """Blocks that can be allocated now (free + cached-evictable)."""
         return len(self._free) + len(self._evictable)
 
+    def num_exclusive_blocks(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` their holder alone references (what releasing them frees)."""
+        ref = self.ref
+        return sum(1 for b in blocks if ref[b] == 1)
+
     # ------------------------------------------------------------------ prefix cache
     def match(self, block_hashes: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached run of leading ``block_hashes`` (refs untouched)."""

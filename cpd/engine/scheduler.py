@@ -16,7 +16,8 @@ Rules, in order:
    ``min(num_tokens - num_computed_tokens, max_prefill_chunk_tokens, budget left)``.
 2. A running sequence that needs a new block when none is free preempts the most
    recently admitted running sequence (recompute preemption); if it is itself the
-   newest, it is preempted.
+   newest, it is preempted. A preempted sequence frees only the blocks no one else
+   holds (``freeable_blocks``): a prefix block shared with another sequence stays in use.
 3. Waiting sequences are admitted FCFS while the token budget, ``max_num_seqs``
    and free blocks allow. A waiting sequence that does not fit stops admission
    (no overtaking: it keeps FCFS fairness, as vLLM does).
@@ -24,7 +25,7 @@ Rules, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Sequence, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 # A sequence id: the engine's request ids are str, the simulator's are request indices.
 RequestId = TypeVar("RequestId", str, int)
@@ -102,7 +103,8 @@ def _new_blocks(seq: SeqState, n: int, cfg: SchedulerConfig) -> int:
 
 
 def schedule(running: Sequence[SeqState[RequestId]], waiting: Sequence[SeqState[RequestId]], num_free_blocks: int,
-             cfg: SchedulerConfig) -> SchedulePlan[RequestId]:
+             cfg: SchedulerConfig, freeable_blocks: Callable[[RequestId], int] | None = None
+             ) -> SchedulePlan[RequestId]:
     """Decide one engine step.
 
     Args:
@@ -111,10 +113,18 @@ def schedule(running: Sequence[SeqState[RequestId]], waiting: Sequence[SeqState[
             counts a cached prefix; ``num_allocated_blocks`` its blocks).
         num_free_blocks: blocks that can be allocated now (free + evictable).
         cfg: limits.
+        freeable_blocks: blocks that preempting a running sequence makes allocatable: those
+            it holds alone (a shared prefix block stays in use). None: all its blocks (no
+            block is shared). Asked only for the sequences it preempts.
     Returns:
         A :class:`SchedulePlan`. Never schedules more than ``cfg.max_num_batched_tokens``
-        tokens or allocates more than ``num_free_blocks`` blocks.
+        tokens or allocates more than ``num_free_blocks`` blocks plus what the preempted
+        sequences free. (Blocks two preempted sequences share are counted as freed by
+        neither: conservative, never more than the pool has.)
     """
+    def freed(seq: SeqState[RequestId]) -> int:
+        return seq.num_allocated_blocks if freeable_blocks is None else freeable_blocks(seq.request_id)
+
     budget = cfg.max_num_batched_tokens
     free = num_free_blocks
     out: list[ScheduledSeq[RequestId]] = []
@@ -131,11 +141,11 @@ def schedule(running: Sequence[SeqState[RequestId]], waiting: Sequence[SeqState[
         while need > free and live[-1] is not seq:
             victim = live.pop()
             preempted.append(victim.request_id)
-            free += victim.num_allocated_blocks
+            free += freed(victim)
         if need > free:
             live.pop(i)
             preempted.append(seq.request_id)
-            free += seq.num_allocated_blocks
+            free += freed(seq)
             continue
         free -= need
         budget -= n

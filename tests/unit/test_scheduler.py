@@ -30,3 +30,19 @@ def test_preempts_newest_running_when_blocks_run_out():
     assert plan.preempted == ("new",)
     assert [(s.request_id, s.num_new_blocks) for s in plan.scheduled] == [("old", 1)]
     assert blocks_for(0, 16) == 0 and blocks_for(17, 16) == 2
+
+
+def test_a_preempted_sequence_frees_only_the_blocks_it_holds_alone():
+    """"new" holds 2 blocks, both shared with "old" (one prefix): preempting it frees none, so
+    "old", which needs a block, cannot run on it either and is preempted too (it frees its one
+    own block, never counted twice). Counting all of "new"'s blocks would schedule "old" on a
+    block the pool does not have (the engine's NoFreeBlocks at allocation)."""
+    running = [_seq("old", 49, 48, blocks=3), _seq("new", 33, 32, blocks=2)]
+    own = {"old": 1, "new": 0}
+    plan = schedule(running, [], num_free_blocks=0, cfg=CFG, freeable_blocks=own.__getitem__)
+    assert plan.preempted == ("new", "old") and plan.scheduled == ()
+    plan = schedule(running, [], num_free_blocks=0, cfg=CFG)  # no sharing: all of "new"'s blocks are freed
+    assert plan.preempted == ("new",) and [(s.request_id, s.num_new_blocks) for s in plan.scheduled] == [("old", 1)]
+    own["new"] = 1
+    plan = schedule(running, [], num_free_blocks=0, cfg=CFG, freeable_blocks=own.__getitem__)
+    assert plan.preempted == ("new",) and [(s.request_id, s.num_new_blocks) for s in plan.scheduled] == [("old", 1)]
