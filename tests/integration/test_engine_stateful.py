@@ -1,8 +1,8 @@
 """Never a wrong token, in any interleaving (hypothesis state machine over two real engines).
 
-A prefill engine with a small L1 pool and an L2 host pool (so prefix sharing, copy-on-write of
-shared blocks, preemption under block pressure, L1 evictions, L2 spills and promotions all
-happen) and a decode engine that continues handed-off requests (``import_held``). Rules, in any
+A prefill engine with a small L1 pool, an L2 host pool and a small L3 store it writes through to
+(so prefix sharing, preemption under block pressure, L1 evictions, L2 spills and promotions, L3
+loads of 2-block chunks and L3 evictions all happen) and a decode engine that continues handed-off requests (``import_held``). Rules, in any
 order hypothesis finds: add a request (prompts from a few shared prefixes plus a random suffix;
 whole on the prefill engine, or prefill there and decode on the other), abort a live request,
 run steps on either engine, drop the prefix cache. After every rule both engines' pool
@@ -11,6 +11,8 @@ exactly the greedy tokens it gets alone on a fresh engine (the correctness oracl
 both pools are back to baseline.
 """
 from __future__ import annotations
+
+import uuid
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from cpd.engine.engine import Engine, EngineRequest
 from cpd.engine.sampling import SamplingParams
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.engine.weights import make_tiny_llama_dir
+from cpd.store import open_store
+from cpd.store.connector import L3Connector
 
 BLOCK = 16
 PREFIXES = [[int(x) for x in np.random.default_rng(900 + i).integers(10, 40000, size=n)] for i, n in
@@ -46,8 +50,10 @@ class EngineInterleavings(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
+        store = open_store(f"mem://stateful-{uuid.uuid4().hex}", chunk_blocks=2,
+                           capacity_bytes=12 * self._block_bytes())
         self.pre = Engine(self.model_dir, num_blocks=14, host_kv_bytes=6 * self._block_bytes(),
-                          scheduler_config=SCHED)
+                          scheduler_config=SCHED, connector=L3Connector(store, write_async=False))
         self.dec = Engine(self.model_dir, num_blocks=14, scheduler_config=SCHED)
         self.n = 0
         self.live: dict[str, tuple[list[int], int, str]] = {}  # id -> (prompt, max_tokens, where)
@@ -70,13 +76,15 @@ class EngineInterleavings(RuleBasedStateMachine):
         return self.oracle_cache[key]
 
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), suffix_len=st.integers(1, 40), seed=st.integers(0, 3),
-          max_tokens=st.integers(1, 24), handoff=st.booleans())
-    def add(self, prefix: int, suffix_len: int, seed: int, max_tokens: int, handoff: bool) -> None:
+          max_tokens=st.integers(1, 24), handoff=st.booleans(), write_through=st.booleans())
+    def add(self, prefix: int, suffix_len: int, seed: int, max_tokens: int, handoff: bool,
+            write_through: bool) -> None:
         suffix = [int(x) for x in np.random.default_rng(seed * 100 + suffix_len).integers(10, 40000, size=suffix_len)]
         prompt = PREFIXES[prefix] + suffix
         rid = f"r{self.n}"
         self.n += 1
-        self.pre.add_request(EngineRequest(rid, prompt, _greedy(max_tokens), mode="prefill" if handoff else "full"))
+        self.pre.add_request(EngineRequest(rid, prompt, _greedy(max_tokens), mode="prefill" if handoff else "full",
+                                           write_through=write_through))
         self.live[rid] = (prompt, max_tokens, "pre")
         self.tokens[rid] = []
 
@@ -163,7 +171,7 @@ def test_engine_interleavings_give_the_oracle_tokens(model_dir):
     seen = EngineInterleavings.seen
     print(seen)
     for what in ("checked", "checked_decoded_elsewhere", "preemptions", "l1_evictions", "aborted", "cached_from_L1",
-                 "cached_from_L2"):
+                 "cached_from_L2", "cached_from_L3"):
         assert seen.get(what, 0) > 0, f"no interleaving exercised {what}: {seen}"
 
 
