@@ -367,13 +367,22 @@ class CPDBackend:
         record_prefill(self.metrics, self.estimates, d, ans, ttft_s, n_prompt)
         self.recent.remember(run.req.request_id, d, ans, n_prompt, ttft_s, raw_wait_s=run.raw_wait_s)
 
+    def _release_staging_of(self, worker_url: str, worker_request_id: str) -> None:
+        """Fire-and-forget release of whatever a prefill worker staged under ``worker_request_id``
+        (unique per prefill attempt, :meth:`_Run.worker_request_id`: no other staging has it) when
+        the router gave up on that attempt before reading its answer; nothing staged: a no-op."""
+        self._post_release(f"{worker_url}/handoff/release", HandoffRelease(worker_request_id))
+
     def _release_handoff(self, handle: HandoffHandle | None) -> None:
         """Fire-and-forget release of a handoff nobody will fetch (the sender also reclaims
         unreleased regions after a timeout). Names the staging's generation, so a late release
         never frees a newer staging of the same id."""
         if handle is None or handle.release_url is None:
             return
-        url, body = handle.release_url, encode(HandoffRelease(handle.request_id, handle.generation))
+        self._post_release(handle.release_url, HandoffRelease(handle.request_id, handle.generation))
+
+    def _post_release(self, url: str, msg: HandoffRelease) -> None:
+        body = encode(msg)
 
         async def release():
             try:
@@ -446,6 +455,11 @@ class CPDBackend:
         try:
             ans = await post_prefill(self.client, self.timeouts, f"{w.url}/prefill", w.worker_id, body)
             ok = True
+        except (asyncio.CancelledError, httpx.TransportError, asyncio.TimeoutError):
+            # abandoned (client gone, worker failed): the worker may have staged the KV and written its
+            # answer already (it cannot tell an unread answer), so free this attempt's staging by its id
+            self._release_staging_of(w.url, body.request_id)
+            raise
         finally:
             w.queued_prefill_tokens -= n
             w.queued_prefill_s -= est_s

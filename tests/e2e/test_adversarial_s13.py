@@ -8,15 +8,26 @@ real deployments (router + worker processes of the tiny random-weight Llama, rea
   the caller's choosing, so every tenant's next request failed with 503 (or, with a fake worker
   behind that address, would have been sent to the caller). ``POST /cpd/role`` already refused
   this configuration with 403 ``internal_secret_required``; registration now does the same.
+- Clients that hang up while the router waits for the prefill worker's answer (120 hang-ups at
+  random moments 0.02-0.6 s after sending, around the tiny model's prefill time; plain and
+  streaming): a few of them left their KV staged on the prefill worker (``num_staged`` > 0 long
+  after every request ended; 4-16 per run; freed only by the sender's reclaim, 120 s later). The
+  worker had staged and written its answer line; the router's task was cancelled while awaiting
+  it, so nobody released the staging. The router now releases the attempt's staging by its
+  request id when its prefill call is abandoned (cancelled, failed in transport or time).
 
 Findings and what held: /work/notes/adversarial13.md.
 """
 from __future__ import annotations
 
+import asyncio
+import random
+import time
+
 import httpx
 import pytest
 
-from deploy_util import oracle_tokens, random_prompt, start
+from deploy_util import oracle_tokens, random_prompt, start, wait_pools_idle
 
 ALICE = "sk-alice-s13-0123456789"
 
@@ -54,3 +65,54 @@ def test_unauthenticated_registration_cannot_move_a_worker_when_api_keys_are_on(
                            "ignore_eos": True, "return_token_ids": True})
     assert out.status_code == 200, out.text
     assert out.json()["choices"][0]["token_ids"] == oracle_tokens(dep.model_dir, prompt, 4)
+
+
+# ---- clients gone while the router awaits the prefill answer ------------------------------------
+@pytest.fixture(scope="module")
+def pd_dep(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1)
+    yield d
+    d.stop()
+
+
+def _num_staged(dep) -> dict[str, int]:
+    auth = dep.internal_client_auth()
+    return {w["worker_id"]: (httpx.get(f"{w['url']}/load", timeout=5, auth=auth).json().get("handoff") or {})
+            .get("num_staged", 0) for w in dep.alive_workers()}
+
+
+def test_clients_gone_while_the_prefill_answer_is_on_its_way_leave_no_staging(pd_dep, tiny_model_dir):
+    dep = pd_dep
+    rng = random.Random(13)
+
+    async def hang_up(client, i: int, stream: bool) -> str:
+        body = {"model": dep.model_name, "prompt": random_prompt(9000 + i, rng.randint(50, 250)), "max_tokens": 50,
+                "temperature": 0, "ignore_eos": True, "stream": stream}
+        try:  # the whole exchange bounded: the client goes away at a random moment around the prefill's end
+            await asyncio.wait_for(client.post(f"{dep.url}/v1/completions", json=body), timeout=rng.uniform(0.02, 0.6))
+            return "finished"
+        except asyncio.TimeoutError:
+            return "hung up"
+
+    async def rounds() -> list[str]:
+        out: list[str] = []
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as client:
+            for r in range(3):
+                out += await asyncio.gather(*[hang_up(client, 100 * r + i, i % 2 == 1) for i in range(40)])
+        return out
+
+    outcomes = asyncio.run(rounds())
+    assert outcomes.count("hung up") >= 60, outcomes  # the clients did go away mid-request
+    stats = wait_pools_idle(dep, 20.0)
+    assert all(s["num_in_use"] == 0 for s in stats.values()), stats
+    deadline = time.monotonic() + 10.0  # releases are fire-and-forget: give them a moment
+    staged = _num_staged(dep)
+    while any(staged.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        staged = _num_staged(dep)
+    assert not any(staged.values()), f"stagings left behind by clients that hung up: {staged}"
+    prompt = random_prompt(14, 40)  # and the deployment serves exact tokens afterwards
+    out = httpx.post(f"{dep.url}/v1/completions", timeout=60,
+                     json={"model": dep.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True})
+    assert out.status_code == 200 and out.json()["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, 6)
