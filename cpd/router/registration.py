@@ -15,7 +15,8 @@ relearns its workers, and a storm of registrations costs the serving path nothin
 request parsing; beyond ``max_per_s`` registrations per second (all workers together; a
 worker re-registers every few seconds) the router answers 429 before checking the signature, so a
 storm costs bounded CPU. A known ``worker_id`` at a new address (the worker moved or restarted
-elsewhere) replaces the old address; its index entries are dropped and rebuilt. At most
+elsewhere) replaces the old address once the new one passes the same check (until then the
+known worker is left as it was); its index entries are dropped and rebuilt. At most
 ``max_workers`` distinct workers are kept (429 beyond).
 """
 from __future__ import annotations
@@ -84,12 +85,30 @@ async def register(router: "Router", reg: Registration, max_workers: int = DEFAU
             return JSONResponse({"worker_id": reg.worker_id, "state": known.state, "known": True})
     elif known is None and len(router.workers.by_id) >= max_workers:
         return _error(429, f"the router holds {max_workers} workers already", "too_many_workers")
+    if known is not None and (known.url, known.events_endpoint) != (reg.url, reg.events_endpoint):
+        refused = await _check_new_address(router, reg)
+        if refused is not None:  # the known worker stays where it is, routed to as before
+            return refused
     w = _upsert(router, reg, known)
     ok = await router._admit(w)
     if not ok:
         return _error(409, f"worker {reg.worker_id} refused: {w.refusal_reason or 'unreachable for GET /info'}",
                       "worker_refused")
     return JSONResponse({"worker_id": reg.worker_id, "state": w.state, "known": known is not None})
+
+
+async def _check_new_address(router: "Router", reg: Registration) -> JSONResponse | None:
+    """A known worker registering at a new address is moved only once that address passes the
+    compatibility check (a stand-in is checked, the known worker untouched): a registration
+    whose address does not answer, or answers for an incompatible worker, would otherwise take
+    a healthy worker out of routing. None: move it; else the 409 answer."""
+    probe = WorkerInfo(reg.worker_id, reg.role, reg.url, reg.events_endpoint)
+    if await compat.admit(router._http(), probe, router.requirements, on_role_swap=lambda w, role: None):
+        return None
+    log.warning("worker %s: registration at %s refused, kept at %s (%s)", reg.worker_id, reg.url,
+                router.workers.by_id[reg.worker_id].url, probe.refusal_reason or "unreachable")
+    return _error(409, f"worker {reg.worker_id} refused at {reg.url}: "
+                       f"{probe.refusal_reason or 'unreachable for GET /info'}", "worker_refused")
 
 
 def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> WorkerInfo:
