@@ -55,7 +55,7 @@ class EngineInterleavings(RuleBasedStateMachine):
     def start(self) -> None:
         store = open_store(f"mem://stateful-{uuid.uuid4().hex}", chunk_blocks=2,
                            capacity_bytes=12 * self._block_bytes())
-        self.pre = Engine(self.model_dir, num_blocks=14, host_kv_bytes=6 * self._block_bytes(),
+        self.pre = Engine(self.model_dir, num_blocks=14, host_kv_bytes=16 * self._block_bytes(),
                           scheduler_config=SCHED, connector=L3Connector(store, write_async=False))
         self.dec = Engine(self.model_dir, num_blocks=14, scheduler_config=SCHED)
         self.n = 0
@@ -131,8 +131,7 @@ class EngineInterleavings(RuleBasedStateMachine):
                 continue
             prompt, max_tokens, _ = self.live[o.request_id]
             if o.finish_reason == "handoff":
-                self.dec.import_held(self.pre, o.request_id)
-                self.pre.release(o.request_id)
+                self._hand_off(o.request_id)
                 self.live[o.request_id] = (prompt, max_tokens, "dec")
                 if o.request_id in self.aborted:  # aborted while held: the decode side drops it too
                     self.dec.abort(o.request_id)
@@ -146,6 +145,21 @@ class EngineInterleavings(RuleBasedStateMachine):
             self._count("checked_on_decode_engine" if engine is self.dec else "checked")
             if engine is self.dec and o.num_cached_tokens_by_tier:  # only an append's own first output has it
                 self._count("append_prefix_hits", int(sum(o.num_cached_tokens_by_tier.values()) > 0))
+
+    def _hand_off(self, rid: str) -> None:
+        """To the decode engine: in process (``import_held``) for even request numbers, as the
+        wire carries it for odd ones (the exported KV as host bytes, the receiver's own copy of
+        them into :meth:`Engine.add_decode_request`, as the worker's TCP/shm paths do)."""
+        if int(rid[1:]) % 2 == 0:
+            self.dec.import_held(self.pre, rid)
+        else:
+            kv, token_ids = self.pre.export_kv(rid)
+            host = self.pre.arrays.to_numpy(kv)
+            wire = np.frombuffer(host.tobytes(), dtype=host.dtype).reshape(host.shape).copy()  # the receiver's copy
+            prompt, max_tokens, _ = self.live[rid]
+            self.dec.add_decode_request(rid, token_ids, wire, _greedy(max_tokens), len(token_ids) - len(prompt))
+            self._count("handoffs_over_the_wire")
+        self.pre.release(rid)
 
     def _count(self, what: str, n: int = 1) -> None:
         self.seen[what] = self.seen.get(what, 0) + n
@@ -185,7 +199,7 @@ def test_engine_interleavings_give_the_oracle_tokens(model_dir):
     run().runTest()
     seen = EngineInterleavings.seen
     print(seen)
-    for what in ("checked", "checked_on_decode_engine", "append_prefix_hits", "preemptions", "l1_evictions", "aborted", "cached_from_L1",
+    for what in ("checked", "checked_on_decode_engine", "append_prefix_hits", "handoffs_over_the_wire", "preemptions", "l1_evictions", "aborted", "cached_from_L1",
                  "cached_from_L2", "cached_from_L3"):
         assert seen.get(what, 0) > 0, f"no interleaving exercised {what}: {seen}"
 
