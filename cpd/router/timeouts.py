@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, fields
 
 import httpx
+
+
+WORKER_LINE_INTERVAL_S = 0.5
+"""How often a worker sends a line on a streamed prefill or decode at the least (its progress lines and
+heartbeats: ``PREFILL_PROGRESS_S`` / ``DECODE_HEARTBEAT_S`` of :mod:`cpd.worker.server`); an idle bound must exceed it."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,27 @@ class DispatchTimeouts:
     # a decode whose worker fails after its first decoded token is resumed elsewhere at most this many
     # times (the prompt and the tokens so far re-prefilled); 0: the stream ends with an error
     max_decode_migrations: int = 0
+
+    def __post_init__(self) -> None:
+        """Refuse bounds no request can meet: with ``max_prefill_attempts=0`` every request failed with
+        503 "prefill failed on : None", and an idle bound at or below the workers' line interval
+        (:data:`WORKER_LINE_INTERVAL_S`) or a zero/negative bound marked healthy workers unhealthy on
+        the first request, after which every request got 503 "no healthy prefill worker"."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name.endswith("_s") or f.name == "handoff_bytes_per_s":
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                    raise ValueError(f"timeouts.{f.name} must be a finite number > 0, got {v!r}")
+        for name in ("prefill_idle_s", "decode_idle_s"):
+            if getattr(self, name) <= WORKER_LINE_INTERVAL_S:
+                raise ValueError(f"timeouts.{name} must exceed the workers' line interval of "
+                                 f"{WORKER_LINE_INTERVAL_S:g} s (progress lines and heartbeats), got {getattr(self, name)!r}")
+        for name in ("prefill_slack", "decode_slack"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"timeouts.{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        for name, least in (("max_prefill_attempts", 1), ("max_decode_attempts", 1), ("max_decode_migrations", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"timeouts.{name} must be at least {least}, got {getattr(self, name)!r}")
 
     def prefill_s(self, estimate_s: float) -> float:
         return min(self.prefill_cap_s, self.prefill_floor_s + self.prefill_slack * max(0.0, estimate_s))

@@ -15,6 +15,10 @@ real deployments (router + worker processes of the tiny random-weight Llama, rea
   worker had staged and written its answer line; the router's task was cancelled while awaiting
   it, so nobody released the staging. The router now releases the attempt's staging by its
   request id when its prefill call is abandoned (cancelled, failed in transport or time).
+- Router call bounds no request can meet (``router.timeouts``): ``max_prefill_attempts=0`` was
+  accepted and every request got 503 "prefill failed on : None"; idle bounds of 0.01 s (below the
+  workers' 0.5 s line interval), zero or negative bounds were accepted and marked healthy workers
+  unhealthy on the first request. They are now refused when the configuration is read.
 
 Findings and what held: /work/notes/adversarial13.md.
 """
@@ -22,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -116,3 +123,22 @@ def test_clients_gone_while_the_prefill_answer_is_on_its_way_leave_no_staging(pd
                      json={"model": dep.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
                            "ignore_eos": True, "return_token_ids": True})
     assert out.status_code == 200 and out.json()["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, 6)
+
+
+# ---- call bounds no request can meet ------------------------------------------------------------
+@pytest.mark.parametrize("setting, field", [("max_prefill_attempts=0", "max_prefill_attempts"),
+                                            ("max_decode_attempts=0", "max_decode_attempts"),
+                                            ("max_decode_migrations=-1", "max_decode_migrations"),
+                                            ("prefill_idle_s=0.01", "prefill_idle_s"),
+                                            ("decode_idle_s=0.5", "decode_idle_s"),
+                                            ("connect_s=0", "connect_s"), ("decode_stall_s=-1", "decode_stall_s"),
+                                            ("prefill_slack=-1", "prefill_slack")])
+def test_router_call_bounds_no_request_can_meet_are_refused_up_front(setting, field):
+    cpd = Path(sys.executable).with_name("cpd")
+    r = subprocess.run([str(cpd), "config", "show", "--set", f"router.timeouts.{setting}"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0, r.stdout[-500:]
+    assert "invalid configuration" in r.stderr and f"timeouts.{field}" in r.stderr, r.stderr[-500:]
+    ok = subprocess.run([str(cpd), "config", "show", "--set", "router.timeouts.max_decode_migrations=2"],
+                        capture_output=True, text=True, timeout=120)  # a meetable bound is still taken
+    assert ok.returncode == 0 and "max_decode_migrations = 2" in ok.stdout, ok.stderr[-500:]
