@@ -48,6 +48,10 @@ router_own          ``handle`` − ``prefill_wait`` − ``decode_wait``: the rou
                     (its HTTP client's work inside the waits is not in it)
 router_cpu          CPU time of the router process (all threads) during ``handle``: its work
                     whatever the machine's load (its HTTP client's included)
+events_cpu          of which its KV-event thread (decoding the workers' events, updating the
+                    prefix index: not on the request's path, but it holds the GIL meanwhile)
+router_cpu_no_events  ``router_cpu`` − ``events_cpu``: the request's own CPU (event loop, its
+                    HTTP client, parse/tokenize threads), plus the loop's background tasks
 client_wall         the client's wall time (its JSON encoding of the body excluded)
 ==================  ==========================================================================
 
@@ -78,7 +82,8 @@ ROOT = HERE.parent.parent
 
 STAGES = ("body_read", "json_parse", "validate", "tokenize", "hash", "match_route", "prefill_encode",
           "prefill_decode", "l3_observe", "pending_writes", "answer_bytes", "l3_observed_hashes", "decode_encode", "decode_lines", "detokenize", "response", "prefill_wait",
-          "worker_prefill", "decode_wait", "handle", "router_own", "router_cpu", "client_wall")
+          "worker_prefill", "decode_wait", "handle", "router_own", "router_cpu", "events_cpu", "router_cpu_no_events",
+          "client_wall")
 
 
 # --------------------------------------------------------------------------- instrumented router
@@ -187,20 +192,33 @@ def _serve_router(config: str, port: int) -> None:
 
     orig_handle = front_mod.OpenAIFront.handle
 
+    def events_cpu_s() -> float:
+        """CPU time of the router's KV-event thread so far (0 if it is not found)."""
+        import threading
+        for t in threading.enumerate():
+            if t.name == "kv-event-sub" and t.ident is not None:
+                try:
+                    return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                except (OSError, ProcessLookupError):
+                    return 0.0
+        return 0.0
+
     async def handle(self, request, chat):
         acc.clear()
-        t0, c0 = pc(), time.process_time()
+        t0, c0, e0 = pc(), time.process_time(), events_cpu_s()
         try:
             return await orig_handle(self, request, chat)
         finally:
             acc["handle"] += pc() - t0
             acc["router_cpu"] += time.process_time() - c0
+            acc["events_cpu"] += events_cpu_s() - e0
             ms = {k: v * 1e3 for k, v in acc.items()}
             g = ms.get
             out = {k: g(k, 0.0) for k in ("body_read", "json_parse", "tokenize", "hash", "prefill_encode",
                                           "prefill_decode", "decode_encode", "decode_lines", "detokenize",
                                           "response", "worker_prefill", "handle", "router_cpu", "l3_observe",
-                                          "pending_writes", "answer_bytes", "l3_observed_hashes")}
+                                          "pending_writes", "answer_bytes", "l3_observed_hashes", "events_cpu")}
+            out["router_cpu_no_events"] = out["router_cpu"] - out["events_cpu"]
             out["validate"] = g("prepare", 0.0) - g("body_read", 0.0) - g("json_parse", 0.0) - g("tokenize", 0.0)
             out["match_route"] = g("decide", 0.0) - g("hash", 0.0)
             out["prefill_wait"] = g("prefill_call", 0.0) - g("prefill_encode", 0.0) - g("prefill_decode", 0.0)

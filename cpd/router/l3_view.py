@@ -94,7 +94,7 @@ class L3View:
         seen = set(present)
         # only the hashes that end a known chunk need a look (a set intersection in C: a 128K-token
         # prompt names ~8K hashes, few of which end chunks); each (hash, n) is decided on its own
-        for h in self._ends.keys() & set(map(int, block_hashes)):
+        for h in self._ends.keys() & block_hashes:  # the hashes are ints (or hash and compare as ints)
             for n in list(self._ends.get(h, ())):
                 if (h, n) not in seen:
                     self._discard_older((h, n), since)
