@@ -57,11 +57,18 @@ client_wall         the client's wall time (its JSON encoding of the body exclud
 
 Medians over ``--reps`` rounds. The 1-minute load average is sampled before and after.
 
+``--components`` instead times, in this process, the token-id path's own steps (parse, checks,
+request model, hash, index match, prefill request JSON, pending writes, answer decode, L3
+observations, decode request JSON; min over ``--reps``): the router's computation on a request's
+path without HTTP, other requests or the KV-event thread, the figure least disturbed by a
+loaded machine. Run it once per tree (``PYTHONPATH=TREE``).
+
 Usage::
 
     PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/bench_router_request.py \\
         --variant before=sim_out/router_before --variant after=. \\
-        [--lengths 2048,32768,131000] [--apis ids,chat] [--reps 5] [--json out.json]
+        [--lengths 2048,32768,131000] [--apis ids,chat,chat_turn] [--reps 5] [--json out.json] [--py-spy DIR]
+    PYTHONPATH=TREE .venv/bin/python benchmarks/bench_router_request.py --components --reps 15
 """
 from __future__ import annotations
 
@@ -76,6 +83,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -239,6 +247,88 @@ def _serve_router(config: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+# --------------------------------------------------------------------------- components in-process
+def _components(lengths: list[int], reps: int) -> dict:
+    """The token-id path's own steps for one request, in this process, in order (this tree's router
+    code; min over ``reps``, ms): what the router computes on a request's path, without HTTP, other
+    requests or the KV-event thread. The prefill answer is a worker's: the prompt echoed in
+    ``token_ids`` and two L3 observations of every block hash (probe and write-through)."""
+    import json as _json
+
+    from cpd.kv.block_hash import Namespace, hash_blocks
+    from cpd.messages.handoff import HandoffHandle
+    from cpd.messages.sampling import SamplingParams
+    from cpd.messages.worker_api import (DecodeRequest, L3Observation, PrefillLine, PrefillRequest,
+                                         PrefillResponse, decode_body, encode)
+    from cpd.router.index import PrefixIndex
+    from cpd.router.openai_front import validation as v
+    from cpd.router.openai_front.models import CompletionRequest
+    from cpd.router.request_body import parse_json_object
+
+    answer_type = getattr(__import__("cpd.messages.worker_api", fromlist=["x"]), "PrefillAnswerLine", PrefillLine)
+    rng = random.Random(0)
+    ns = Namespace(model_id="bench", weights_digest="w", tokenizer_digest="t")
+    out: dict = {"answer_type": answer_type.__name__}
+    for n in lengths:
+        ids = [rng.randrange(10, 49000) for _ in range(n)]
+        body = _json.dumps({"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True}).encode()
+        hs = hash_blocks(ids, ns)
+        idx = PrefixIndex()
+        chunk_ends = [(int(hs[i + 15]), 16) for i in range(0, len(hs) - 15, 16)]
+        handle = HandoffHandle(kind="tcp", host="h", port=1, request_id="r", nbytes=1, dtype="<f4", shape=(1,),
+                               host_id="x", generation=1, checksum=0, reclaim_after_s=30.0)
+        ans = PrefillResponse(first_token_ids=[7], finish_reason=None, prefill_s=1.0, handoff=handle, kv_bytes=1,
+                              token_ids=ids + [7], l3_observations=[
+                                  L3Observation(block_hashes=list(hs), present=[], offset_s=0.0),
+                                  L3Observation(block_hashes=list(hs), present=chunk_ends, offset_s=0.5)])
+        answer_line = encode(PrefillLine(answer=ans))
+        sampling = SamplingParams(max_tokens=2)
+        steps: dict[str, Callable[[], object]] = {}
+        state: dict = {}
+        steps["json_parse"] = lambda: state.__setitem__("obj", parse_json_object(body))
+        steps["union_checks"] = lambda: state.__setitem__("prompt", v.check_union_fields(state["obj"], False))
+
+        def model():
+            stand_in = getattr(v, "without_token_prompt", None)
+            bounds = v.token_range(state["prompt"]) if hasattr(v, "token_range") else None
+            state["bounds"] = bounds
+            CompletionRequest.model_validate(stand_in(state["obj"], state["prompt"], bounds) if stand_in
+                                             else state["obj"])
+        steps["request_model"] = model
+
+        def vocab():  # as the tree's front does it
+            if state["prompt"] is None:  # before: single_prompt again, then a Python loop over the ids
+                p = list(v.single_prompt(state["obj"]["prompt"]))
+                for i, t in enumerate(p):
+                    if not 0 <= t < 49152:
+                        raise AssertionError(i)
+                return
+            p = list(state["prompt"])
+            lo, hi = state["bounds"] or (min(p), max(p))
+            assert 0 <= lo and hi < 49152
+        steps["vocab_check"] = vocab
+        steps["hash"] = lambda: hash_blocks(ids, ns)
+        steps["index_match"] = lambda: idx.match(hs, l3_max_blocks=(n - 1) // 16)
+        steps["prefill_encode"] = lambda: encode(PrefillRequest(request_id="r", prompt_token_ids=ids,
+                                                                sampling=sampling, stream_progress=True))
+        steps["pending_writes"] = lambda: idx.add_pending_writes(hs, 1.0)
+        steps["answer_decode"] = lambda: state.__setitem__("ans", decode_body(answer_line, answer_type).answer)
+        steps["l3_observe"] = lambda: [idx.observe_l3(o.block_hashes, o.present, o.gone, since=o.offset_s)
+                                       for o in state["ans"].l3_observations]
+        steps["decode_encode"] = lambda: encode(DecodeRequest(request_id="r", token_ids=list(ids) + [7],
+                                                              sampling=sampling, handoff=handle))
+        best = {k: float("inf") for k in steps}
+        for _ in range(reps):
+            for k, f in steps.items():
+                t0 = time.perf_counter()
+                f()
+                best[k] = min(best[k], (time.perf_counter() - t0) * 1e3)
+        best = {k: round(x, 2) for k, x in best.items()}
+        best["total"] = round(sum(best.values()), 2)
+        out[str(n)] = best
+    return out
+
+
 # --------------------------------------------------------------------------- client side
 def _words_text(rng: random.Random, n_words: int) -> str:
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -285,9 +375,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default="")
     p.add_argument("--py-spy", default="", help="DIR: sample each variant's router with py-spy (collapsed "
                                                 "stacks, all threads) into DIR/<variant>.txt")
+    p.add_argument("--components", action="store_true", help="only the in-process steps of the token-id "
+                   "path (of the tree on PYTHONPATH), min over --reps; printed as JSON")
     a = p.parse_args(argv)
     if a.serve_router:
         _serve_router(a.serve_router, a.port)
+        return
+    if a.components:
+        print(json.dumps({"components_ms": _components([int(x) for x in a.lengths.split(",")], a.reps),
+                          "load_avg": os.getloadavg()}, indent=1))
         return
 
     sys.path.insert(0, str(ROOT))
