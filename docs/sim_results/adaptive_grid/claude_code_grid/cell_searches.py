@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("ttft_s", type=float)
     ap.add_argument("output", type=int)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--only-seeds", default="", help="comma-separated seeds to run (default: 1..--seeds)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--table", action="store_true")
     a = ap.parse_args()
@@ -98,7 +99,8 @@ def main() -> None:
                                                           "output": a.output})
     have = {(r["seed"], r["cfg"]) for r in done_lines(out) if tuple(r["cell"]) == key}
     memo_points(out.with_suffix(".points.jsonl"), key)
-    for seed in range(1, a.seeds + 1):
+    seeds = [int(x) for x in a.only_seeds.split(",")] if a.only_seeds else range(1, a.seeds + 1)
+    for seed in seeds:
         for cfg in CONFIGS:
             if (seed, cfg) in have:
                 continue
