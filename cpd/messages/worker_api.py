@@ -29,7 +29,7 @@ any error                      –                         :class:`ErrorBody`
 """
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -77,9 +77,10 @@ class L3Observation(msgspec.Struct, frozen=True):
 
 
 class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
-    """Answer of ``POST /prefill`` without ``token_ids`` (see :class:`PrefillResponse`): what the router
-    decodes. It holds the prompt already, and the staged sequence is the prompt + ``first_token_ids``, so
-    it skips the echo of a long prompt (msgspec skips an unknown field without building it).
+    """Answer of ``POST /prefill`` (:data:`PrefillResponse`). The staged sequence is the prompt +
+    ``first_token_ids``: the router holds the prompt, so the answer does not echo it (workers before
+    issue 13 sent it as ``token_ids``, 0.7 MB for a 128K-token prompt; msgspec skips that unknown
+    field without building it).
 
     ``finish_reason`` is None when the request continues on a decode worker (``handoff`` set,
     ``kv_bytes`` staged); else the first token ended it.
@@ -110,11 +111,7 @@ class PrefillAnswer(msgspec.Struct, frozen=True, kw_only=True):
         return sum(self.num_cached_tokens_by_tier.values())
 
 
-class PrefillResponse(PrefillAnswer, frozen=True, kw_only=True):
-    """Answer of ``POST /prefill`` as the worker sends it: :class:`PrefillAnswer` (the fields below) plus
-    ``token_ids`` (the staged sequence: prompt + first token, when handed off; None otherwise)."""
-
-    token_ids: list[int] | None = None
+PrefillResponse = PrefillAnswer  # the answer of ``POST /prefill``, as the worker sends it and the router reads it
 
 
 RequestState = Literal["queued", "running", "held"]
@@ -140,23 +137,25 @@ class PrefillLine(msgspec.Struct, frozen=True, omit_defaults=True):
       worker's engine failed it (its canary forward failed too), not the request: retry elsewhere."""
 
     num_engine_steps: int | None = None
-    answer: PrefillResponse | None = None
+    answer: PrefillAnswer | None = None
     error: str | None = None
     engine_failed: bool = False
     engine_stuck: bool = False
     request_state: RequestState | None = None
 
 
-class PrefillAnswerLine(PrefillLine, frozen=True, omit_defaults=True):
-    """A :class:`PrefillLine` as the router reads it: its ``answer`` a :class:`PrefillAnswer` (the
-    prompt's echo in ``token_ids`` skipped)."""
-
-    answer: PrefillAnswer | None = None
+PrefillAnswerLine = PrefillLine  # the name the router reads a line by (it skipped the prompt's echo)
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Fetch the staged KV named by ``handoff`` and continue decoding ``token_ids`` (prompt +
-    the ``num_generated`` tokens already generated)."""
+    the ``num_generated`` tokens already generated).
+
+    ``fetch_timeout_s``: the caller's bound on the whole fetch (the router's, set below its own
+    bound on this call's first byte): a sender that cannot deliver by then (stopped, partitioned,
+    trickling) is answered 502 ``handoff_unavailable`` in time for the router to re-prefill,
+    instead of the router timing out and blaming this worker. ``None``: the receiver's per-socket
+    timeouts alone (old routers)."""
 
     request_id: str
     token_ids: list[int]
@@ -164,6 +163,7 @@ class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
     handoff: HandoffHandle
     num_generated: int = 1
     cache_salt: str | None = None
+    fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,7 +8,8 @@ count advancing within ``decode_stall_s``; a heartbeat that says the engine is s
 ``engine_stuck`` refusal, ends the attempt at once): a worker whose engine thread is stuck under a
 live event loop never holds a stream. What a retry can fix raises :class:`DecodeFailed` (the
 worker failed in transport, time or progress: ``worker_failed``; the staging is gone:
-``handoff_lost``); the rest raises :class:`BackendError`.
+``handoff_lost``, and its sender could not be reached from the decode worker:
+``sender_unreachable``); the rest raises :class:`BackendError`.
 """
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ class DecodeFailed(Exception):
     """A decode attempt failed in a way a retry can fix: the worker failed (transport error,
     timeout, stuck or failed engine) or the staging is gone (``handoff_lost``: re-prefill)."""
 
-    def __init__(self, msg: str, worker_failed: bool = False, handoff_lost: bool = False):
+    def __init__(self, msg: str, worker_failed: bool = False, handoff_lost: bool = False,
+                 sender_unreachable: bool = False):
         super().__init__(msg)
         self.worker_failed, self.handoff_lost = worker_failed, handoff_lost
+        self.sender_unreachable = sender_unreachable  # the decode worker could not fetch from the sender
 
 
 async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, metrics: RouterMetrics,
@@ -135,6 +138,8 @@ async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Respo
         metrics.fallbacks.labels("engine_stuck").inc()
         raise DecodeFailed(f"decode worker {worker_id} refused ({r.status_code}): {text}", worker_failed=True)
     if r.status_code == 410 or code in ("handoff_stale", "handoff_unavailable"):
-        metrics.fallbacks.labels("handoff_stale" if r.status_code == 410 else "handoff_unavailable").inc()
-        raise DecodeFailed(f"handoff lost ({r.status_code}): {text}", handoff_lost=True)
+        unreachable = r.status_code != 410 and code == "handoff_unavailable"
+        metrics.fallbacks.labels("handoff_unavailable" if unreachable else "handoff_stale").inc()
+        raise DecodeFailed(f"handoff lost ({r.status_code}): {text}", handoff_lost=True,
+                           sender_unreachable=unreachable)
     raise BackendError(f"decode worker {worker_id} error: {text}", 502, "server_error")

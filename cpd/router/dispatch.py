@@ -538,6 +538,8 @@ class CPDBackend:
                                 run.req.request_id, decode_worker, e, attempt)
                     self.metrics.fallbacks.labels("decode_retry").inc()
                     expired = time.monotonic() >= staged.staging_deadline  # likely reclaimed by now
+                    if e.sender_unreachable:  # a re-prefill there would stage where this decode worker cannot fetch
+                        run.excluded.add(staged.decision.prefill_worker)
                     if (e.handoff_lost or expired) and attempt + 1 < self.timeouts.max_decode_attempts:
                         self._release_handoff(staged.handoff)
                         staged = await self._reprefill(run)
@@ -592,7 +594,8 @@ class CPDBackend:
         req, w = run.req, self.workers.by_id[worker_id]
         assert pre.handoff is not None
         body = DecodeRequest(request_id=run.worker_request_id(), token_ids=token_ids, sampling=req.sampling,
-                             handoff=pre.handoff, num_generated=num_generated, cache_salt=req.cache_salt)
+                             handoff=pre.handoff, num_generated=num_generated, cache_salt=req.cache_salt,
+                             fetch_timeout_s=self.timeouts.handoff_fetch_s(pre.answer.kv_bytes))
         return relay_decode(self.client, self.timeouts, self.metrics, w, self.decode_slots[w.worker_id], body,
                             pre.staging_deadline, pre.answer.kv_bytes)
 

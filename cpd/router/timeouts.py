@@ -46,6 +46,11 @@ class DispatchTimeouts:
       advancing within ``decode_stall_s`` (:meth:`decode_deadline`): heartbeats prove only that
       the worker's event loop lives, and a stuck engine thread (a step that never returns) under
       a live loop would otherwise hold the stream forever. The same holds for an append.
+      The decode worker's fetch of the staged KV is bounded by :meth:`handoff_fetch_s` (half the
+      first-byte bound, sent as ``DecodeRequest.fetch_timeout_s``): a sender that cannot deliver
+      (stopped, partitioned from the decode worker) is answered 502 ``handoff_unavailable`` in
+      time, so the router re-prefills without that sender and keeps the healthy decode worker,
+      instead of timing out on it and excluding it.
     * Any stream (prefill progress lines, decode heartbeats): a line whose ``engine_stuck`` is set
       (the worker's own verdict, its current step ran past its ``engine.max_step_s``) fails the
       call at once, as does a 503 ``engine_stuck`` refusal: the worker is excluded and the request
@@ -134,6 +139,11 @@ class DispatchTimeouts:
 
     def decode_first_byte_s(self, kv_bytes: int) -> float:
         return min(self.decode_cap_s, self.decode_floor_s + self.decode_slack * max(0, kv_bytes) / self.handoff_bytes_per_s)
+
+    def handoff_fetch_s(self, kv_bytes: int) -> float:
+        """The decode worker's bound on fetching ``kv_bytes`` of staged KV: half of
+        :meth:`decode_first_byte_s`, so its 502 arrives (and the KV is admitted) within it."""
+        return self.decode_first_byte_s(kv_bytes) / 2
 
     def staging_margin(self, lifetime_s: float) -> float:
         return min(self.staging_margin_s, lifetime_s / 4)

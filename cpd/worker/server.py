@@ -436,11 +436,11 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     staged = st.runner.take_staged(rid)
     if staged is None:
         raise RuntimeError(f"request {rid}: its handoff was not staged by the engine thread")
-    token_ids, handle = await _staged(st, rid, asyncio.wrap_future(staged))
+    _, handle = await _staged(st, rid, asyncio.wrap_future(staged))  # the staged ids: prompt + first tokens
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
-    return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes), token_ids=list(token_ids))
+    return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes))
 
 
 def stage_held(st: WorkerState, rid: str) -> tuple[list[int], Any]:
@@ -523,7 +523,7 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
     if st.runner.in_flight(rid):  # never touch another request's stream (or its staging)
         return _error(f"request id {rid!r} is already in flight on this worker", 409, "duplicate_request_id")
     try:
-        kv = await asyncio.to_thread(st.receiver.fetch, handle)
+        kv = await asyncio.to_thread(st.receiver.fetch, handle, None, body.fetch_timeout_s)
     except HandoffStaleError as e:  # released, reclaimed or restaged: never decode over it
         return _error(f"handoff stale: {e}", 410, "handoff_stale")
     except Exception as e:  # sender gone or bad handle: the router re-prefills elsewhere

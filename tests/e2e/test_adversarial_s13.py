@@ -19,15 +19,28 @@ real deployments (router + worker processes of the tiny random-weight Llama, rea
   accepted and every request got 503 "prefill failed on : None"; idle bounds of 0.01 s (below the
   workers' 0.5 s line interval), zero or negative bounds were accepted and marked healthy workers
   unhealthy on the first request. They are now refused when the configuration is read.
+- A prefill worker stopped (SIGSTOP; a hung or partitioned host) while its staged KV waits for
+  the decode worker's TCP fetch (``handoff.force_tcp``, the cross-host path): the decode worker's
+  fetch waits up to twice its 10 s receiver timeout, longer than the router's 15 s bound on the
+  decode's first byte, so the router blames the healthy *decode* worker (marked unhealthy,
+  excluded) instead of re-prefilling on the healthy prefill worker. With one decode worker the
+  request fails with 503 and unrelated requests meanwhile get 503 "no healthy decode worker".
+  Fixed: the router sends its bound on the fetch (``DecodeRequest.fetch_timeout_s``, half the
+  first-byte bound), the receiver holds the whole fetch to it (not each socket call), the decode
+  worker answers 502 ``handoff_unavailable`` in time, and the router re-prefills with that sender
+  excluded for the request.
 
 Findings and what held: /work/notes/adversarial13.md.
 """
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,3 +155,57 @@ def test_router_call_bounds_no_request_can_meet_are_refused_up_front(setting, fi
     ok = subprocess.run([str(cpd), "config", "show", "--set", "router.timeouts.max_decode_migrations=2"],
                         capture_output=True, text=True, timeout=120)  # a meetable bound is still taken
     assert ok.returncode == 0 and "max_decode_migrations = 2" in ok.stdout, ok.stderr[-500:]
+
+
+# ---- a prefill worker stopped while its staging waits for the TCP fetch ------------------------
+@pytest.fixture(scope="module")
+def tcp_dep(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=2, num_decode=1, handoff_force_tcp=True, max_decode_per_worker=1)
+    yield d
+    d.stop()
+
+
+def test_a_stopped_sender_during_the_tcp_fetch_fails_neither_its_request_nor_others(tcp_dep, tiny_model_dir):
+    dep = tcp_dep
+    url, auth = dep.url, dep.internal_client_auth()
+    body = {"model": dep.model_name, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    # the only decode slot (max_decode_per_worker=1) is held by a long decode: the victim's staging waits
+    hog = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                           kwargs={"json": dict(body, prompt=random_prompt(10, 20), max_tokens=600), "timeout": 120})
+    hog.start()
+    time.sleep(1.0)
+    prompt = random_prompt(99, 100)
+    result: dict = {}
+
+    def victim() -> None:
+        r = httpx.post(f"{url}/v1/completions", json=dict(body, prompt=prompt, max_tokens=8), timeout=180)
+        result["victim"] = r
+
+    vt = threading.Thread(target=victim)
+    vt.start()
+    stopped = None
+    deadline = time.monotonic() + 20
+    try:
+        while stopped is None and time.monotonic() < deadline:  # its prefill answered: stop the worker holding it
+            for w in dep.alive_workers():
+                h = httpx.get(f"{w['url']}/load", timeout=5, auth=auth).json().get("handoff") or {}
+                if w["role"] == "prefill" and h.get("num_staged"):
+                    stopped = w["worker_id"]
+                    os.kill(dep.pids()[stopped], signal.SIGSTOP)
+                    break
+            time.sleep(0.02)
+        assert stopped is not None, "the victim's staging never appeared"
+        bystanders = []
+        while vt.is_alive():  # unrelated requests while the victim's decode waits: none may fail
+            r = httpx.post(f"{url}/v1/completions", json=dict(body, prompt=random_prompt(300 + len(bystanders), 30),
+                                                               max_tokens=4), timeout=120)
+            bystanders.append((r.status_code, r.text[:200]))
+            time.sleep(1.0)
+        hog.join(120)
+    finally:
+        if stopped is not None:
+            os.kill(dep.pids()[stopped], signal.SIGCONT)
+    r = result["victim"]
+    assert r.status_code == 200, r.text  # p1 is healthy: a re-prefill there serves it
+    assert r.json()["choices"][0]["token_ids"] == oracle_tokens(tiny_model_dir, prompt, 8)
+    assert all(code == 200 for code, _ in bystanders), bystanders

@@ -267,3 +267,34 @@ def test_stage_into_fills_the_staging_area_directly_and_frees_it_when_fill_fails
         with pytest.raises(RuntimeError):
             s.stage_into("bad", src.shape, src.dtype, boom)
         assert s.stats()["arena_free_bytes"] == free0 and s.stats()["num_staged"] == 0
+
+
+def test_tcp_fetch_from_a_stopped_sender_ends_within_the_callers_bound():
+    """A sender stopped (SIGSTOP: a hung or partitioned host) after staging: its kernel still
+    accepts connections, so only timeouts end a fetch. With ``timeout_s`` the whole fetch (the
+    stale cached connection, the fresh one, the challenge and the reads together) ends within it,
+    not after two of the receiver's per-socket timeouts (the router's first-byte bound was shorter
+    than those, so it blamed the healthy decode worker)."""
+    import signal
+    code = ("import sys, msgspec, numpy as np\n"
+            "from cpd.worker.handoff import HandoffSender\n"
+            "s = HandoffSender(arena_bytes=8 << 20, secret=b'k')\n"
+            "for rid in ('a', 'b'):\n"
+            "    print(msgspec.json.encode(s.stage(rid, np.full(4096, 3, np.float32))).decode(), flush=True)\n"
+            "sys.stdin.readline()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        a, b = (json.loads(p.stdout.readline()) for _ in range(2))
+        with HandoffReceiver(force_tcp=True, timeout_s=5.0, secret=b"k") as r:
+            assert np.array_equal(r.fetch(a, timeout_s=5.0), np.full(4096, 3, np.float32))  # caches the connection
+            p.send_signal(signal.SIGSTOP)
+            for _ in range(2):  # the cached connection first, then fresh ones
+                t0 = time.monotonic()
+                with pytest.raises(HandoffError, match="TCP fetch"):
+                    r.fetch(b, timeout_s=0.8)
+                assert time.monotonic() - t0 < 3.0  # the bound (0.8 s), far below one per-socket timeout (5 s)
+    finally:
+        p.send_signal(signal.SIGCONT)
+        p.kill()
+        p.wait(10)

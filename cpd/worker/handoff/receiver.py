@@ -6,6 +6,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy as np
 from cpd.messages.handoff import HandoffHandle
 from cpd.worker.handoff.arena import ALIGN, ARENA_MAGIC, HDR_BYTES, REGION_HDR, REGION_MAGIC
 from cpd.worker.handoff.errors import HandoffError, HandoffStaleError
-from cpd.worker.handoff.framing import REP, REQ, recv_exact
+from cpd.worker.handoff.framing import REP, REQ, recv_exact, time_left
 from cpd.worker.handoff.payload import as_handle, bytes_view, handle_layout, host_identity, payload_checksum
 
 
@@ -48,12 +49,18 @@ class HandoffReceiver:
             return "shm"
         return "tcp"
 
-    def fetch(self, handle: HandoffHandle | dict, out: np.ndarray | None = None) -> np.ndarray:
+    def fetch(self, handle: HandoffHandle | dict, out: np.ndarray | None = None,
+              timeout_s: float | None = None) -> np.ndarray:
         """Copy the staged array out of the sender and verify that it is that staging.
 
         Args:
             handle: as returned by :meth:`HandoffSender.stage` (a JSON-decoded dict is converted).
             out: optional preallocated C-contiguous destination of the right dtype/shape.
+            timeout_s: a bound on the whole TCP fetch (connect, challenge, every read and the
+                retry on a stale cached connection together); without it each socket operation
+                is bounded by the receiver's ``timeout_s`` alone. A stopped or partitioned sender
+                then fails the fetch within the caller's bound (:class:`HandoffError`), not
+                after two 10 s socket timeouts.
         Returns:
             A new array (or ``out``) with the handle's dtype and shape, checked against the
             handle's generation (shm header before and after the copy) and checksum.
@@ -79,7 +86,7 @@ class HandoffReceiver:
             self._check_generation(mm, off, gen)  # not reclaimed or rewritten during the copy
             kind = "fetched_shm"
         else:
-            self._fetch_tcp(handle, out)
+            self._fetch_tcp(handle, out, None if timeout_s is None else time.monotonic() + timeout_s)
             kind = "fetched_tcp"
         if payload_checksum(bytes_view(out)) != handle.checksum:
             with self._lock:
@@ -191,7 +198,8 @@ class HandoffReceiver:
         except BufferError:  # a zero-copy view of it is still alive: it is freed with the view
             pass
 
-    def _fetch_tcp(self, handle: HandoffHandle, out: np.ndarray) -> None:
+    def _fetch_tcp(self, handle: HandoffHandle, out: np.ndarray, deadline: float | None = None) -> None:
+        """Fetch over TCP; with ``deadline`` (monotonic clock) everything ends by then."""
         addr = (handle.host, handle.port)
         rid = handle.request_id.encode()
         frame = REQ.pack(len(rid), handle.generation) + rid
@@ -201,12 +209,13 @@ class HandoffReceiver:
             fresh = sock is None
             try:
                 if sock is None:
-                    sock = socket.create_connection(addr, timeout=self.timeout_s)
+                    sock = socket.create_connection(addr, timeout=self._op_timeout(deadline))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._answer_challenge(sock)
+                    self._answer_challenge(sock, deadline)
+                sock.settimeout(self._op_timeout(deadline))
                 sock.sendall(frame)
                 rep = bytearray(REP.size)
-                recv_exact(sock, memoryview(rep))
+                recv_exact(sock, memoryview(rep), deadline)
                 status, n = REP.unpack(rep)
                 if status != 0:
                     self._keep(addr, sock)
@@ -216,22 +225,27 @@ class HandoffReceiver:
                     sock.close()
                     raise HandoffError("size mismatch from sender")
                 if n:
-                    recv_exact(sock, memoryview(out.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]  # numpy arrays are buffers
+                    recv_exact(sock, memoryview(out.reshape(-1).view(np.uint8)), deadline)  # type: ignore[arg-type]  # numpy arrays are buffers
                 self._keep(addr, sock)
                 return
             except HandoffError:
                 raise
-            except OSError as e:
+            except OSError as e:  # TimeoutError included
                 if sock is not None:
                     sock.close()
-                if fresh or attempt == 1:
-                    raise HandoffError(f"TCP fetch from {addr} failed: {e}") from e
+                if fresh or attempt == 1 or (deadline is not None and time.monotonic() >= deadline):
+                    raise HandoffError(f"TCP fetch from {addr} failed: {e!r}") from e
 
-    def _answer_challenge(self, sock: socket.socket) -> None:
+    def _op_timeout(self, deadline: float | None) -> float:
+        """One socket operation's bound: the receiver's ``timeout_s``, cut to what is left of
+        ``deadline`` (:class:`TimeoutError` when nothing is)."""
+        return self.timeout_s if deadline is None else min(self.timeout_s, time_left(deadline))
+
+    def _answer_challenge(self, sock: socket.socket, deadline: float | None = None) -> None:
         if self.secret:
             from cpd.auth import HANDOFF_NONCE_BYTES, handoff_proof
             nonce = bytearray(HANDOFF_NONCE_BYTES)
-            recv_exact(sock, memoryview(nonce))
+            recv_exact(sock, memoryview(nonce), deadline)
             sock.sendall(handoff_proof(self.secret, bytes(nonce)))
 
     def _keep(self, addr, sock) -> None:
