@@ -24,7 +24,7 @@ import functools
 import gc
 import heapq
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -223,12 +223,13 @@ class EngineClusterSpec:
     # observe_prefill; a read-after-write hold is not compute (the live worker never sees it).
     # False: learn the prefill terms only, from router_cost (the adaptive-grid cells' "learned").
     l3_events_next_flush: bool = False  # True: a step's write-through events (BlockStored L3) are
-    # published with the worker's NEXT event flush, as live (the engine hands the blocks to the
-    # connector's writer thread at the step's end, the worker flushes its events right after the
-    # step, before the write is done, so they go out after the next step, or idle_flush_s after the
-    # step when the worker has no more work, or when new work wakes it); False: at the step's end
-    # with its L1 events. Either way kv_event_delay_s is added, and the blocks are readable in L3
-    # from the step's end.
+    # published with the worker's NEXT event flush, as the live worker did before 407a3ff (the engine
+    # handed the blocks to the connector's writer thread at the step's end and the worker flushed its
+    # events right after the step, before the write was done, so they went out after the next step,
+    # or idle_flush_s after it when idle); kept to reproduce the live runs recorded before that fix
+    # (docs/results/modeled_ordering). False (default, live since 407a3ff: the writer thread
+    # publishes when the store has the blocks): at the step's end with its L1 events. Either way
+    # kv_event_delay_s is added, and the blocks are readable in L3 from the step's end.
     idle_flush_s: float = 0.05  # the idle worker loop's event flush period (cpd.worker.runtime: 0.05 s wall; / K)
     cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
     request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
@@ -489,14 +490,14 @@ class EngineSimulator:
         w.running_requests += 1
         if not d.decode_append and d.decode_worker is not None:
             self.by_id[d.decode_worker].pending_handoffs += 1
-        self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,
-                       "decode": d.decode_worker, "est_s": est_s, "ttft_t": None, "done_t": None}
-        req = EngineRequest(str(i), toks, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+        rec = self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,
+                             "decode": d.decode_worker, "est_s": est_s, "ttft_t": None, "done_t": None}
+        req = EngineRequest(str(i), cast(Sequence[int], toks), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                             mode="full" if d.decode_append else "prefill",
                             max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
                             write_through=d.write_through, block_hashes=hashes)
         if d.wait_for_l3_s > 0:  # read-after-write: the dispatch holds for the pending L3 blocks
-            self.rec[i]["hold_s"] = d.wait_for_l3_s
+            rec["hold_s"] = d.wait_for_l3_s
             self.at(now + d.wait_for_l3_s, self._submit, w, req)
         else:
             self._submit(now, w, req)
