@@ -8,19 +8,52 @@ promoted block stays here too.
 
 Each slot holds one block in the contract layout
 ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (``cpd.engine.connector``).
-Events: ``BlockStored`` / ``BlockRemoved`` with ``medium=MEDIUM_L2`` ("CPU").
+Events: ``BlockStored`` / ``BlockRemoved`` with ``medium=MEDIUM_L2`` ("CPU"): one per block, or,
+within :meth:`HostPool.batched_events` (the L1 pool's evictions of one allocation), the net effect
+of the whole batch at its end: one ``BlockRemoved`` of the blocks held before and gone after, and
+the blocks new after as ``BlockStored`` runs (:func:`cpd.kv.events.stored_runs`). A block stored and
+evicted again within the batch is not announced at all, one evicted and stored again neither: a
+subscriber that applies the events in order ends in the same state as with one event per block
+(the publisher flushes after the engine step, and snapshots are taken between steps).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from cpd.engine.connector import EventSink
 from cpd.engine.kv_arrays import KVArrays, TorchKVArrays
-from cpd.kv.events import MEDIUM_L2, BlockRemoved, BlockStored
+from cpd.kv.events import MEDIUM_L2, BlockRemoved, BlockStored, stored_runs
 
 if TYPE_CHECKING:
     import torch
+
+
+class NetBlockEvents:
+    """The net effect of a sequence of single-block stores and removals (pure bookkeeping): what
+    was removed and not stored again, what was stored and not removed again, in order."""
+
+    def __init__(self) -> None:
+        self.stored: dict[int, tuple[int | None, list[int]]] = {}  # hash -> (parent, tokens)
+        self.removed: dict[int, None] = {}
+
+    def store(self, block_hash: int, parent_hash: int | None, token_ids: list[int]) -> None:
+        if block_hash in self.removed:  # removed earlier in the batch: held before and after
+            del self.removed[block_hash]
+        else:
+            self.stored[block_hash] = (parent_hash, token_ids)
+
+    def remove(self, block_hash: int) -> None:
+        if block_hash in self.stored:  # stored in this batch: neither held before nor after
+            del self.stored[block_hash]
+        else:
+            self.removed[block_hash] = None
+
+    def events(self, block_size: int, medium: str) -> list:
+        """The batch's events: one ``BlockRemoved`` (if any), then the ``BlockStored`` runs."""
+        out: list = [BlockRemoved(block_hashes=list(self.removed), medium=medium)] if self.removed else []
+        return out + stored_runs(((h, p, t) for h, (p, t) in self.stored.items()), block_size, medium)
 
 
 class HostPool:
@@ -53,6 +86,7 @@ class HostPool:
         self.num_stores = 0
         self.num_evictions = 0
         self.num_hits = 0
+        self._batch: NetBlockEvents | None = None
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +101,21 @@ class HostPool:
     def _emit(self, ev) -> None:
         if self._sink is not None:
             self._sink(ev)
+
+    @contextmanager
+    def batched_events(self) -> Iterator[None]:
+        """Hold this pool's events while the block runs and emit their net effect at its end (the
+        module docstring). Not reentrant."""
+        if self._sink is None or self._batch is not None:
+            yield
+            return
+        self._batch = batch = NetBlockEvents()
+        try:
+            yield
+        finally:
+            self._batch = None
+            for ev in batch.events(self.block_shape[2], MEDIUM_L2):
+                self._emit(ev)
 
     def put(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
             block: Any) -> bool:
@@ -86,15 +135,22 @@ class HostPool:
             old_hash, slot = self._lru.popitem(last=False)
             self._free.append(slot)
             self.num_evictions += 1
-            self._emit(BlockRemoved(block_hashes=[old_hash], medium=MEDIUM_L2))
+            if self._batch is not None:
+                self._batch.remove(old_hash)
+            else:
+                self._emit(BlockRemoved(block_hashes=[old_hash], medium=MEDIUM_L2))
         slot = self._free.pop()
         self.arrays.copy_into(self.data[slot], block)
         self._lru[block_hash] = slot
         self.num_stores += 1
-        self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash,
-                               token_ids=token_ids if type(token_ids) is list else [int(t) for t in token_ids],
-                               block_size=self.block_shape[2],
-                               medium=MEDIUM_L2))
+        if self._sink is None:
+            return True
+        toks = token_ids if type(token_ids) is list else [int(t) for t in token_ids]
+        if self._batch is not None:
+            self._batch.store(block_hash, parent_hash, toks)
+        else:
+            self._emit(BlockStored(block_hashes=[block_hash], parent_block_hash=parent_hash, token_ids=toks,
+                                   block_size=self.block_shape[2], medium=MEDIUM_L2))
         return True
 
     def match(self, block_hashes: Sequence[int]) -> int:

@@ -19,6 +19,7 @@ on :meth:`KVPool.reset_prefix_cache`.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Sequence
 
 from cpd.engine.connector import EventSink
@@ -184,7 +185,8 @@ class KVPool:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks with one reference each: free ones first, then LRU evictions (their L2
-        spills announced as they happen, their L1 removal in one ``BlockRemoved`` at the end).
+        spills announced together, as runs: :meth:`HostPool.batched_events`; then their L1 removal
+        in one ``BlockRemoved``).
 
         Raises:
             NoFreeBlocks: fewer than ``n`` blocks are free + evictable (nothing changes).
@@ -193,10 +195,11 @@ class KVPool:
             raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks()} free")
         out = []
         removed: list[int] = []
-        for _ in range(n):
-            b = self._free.popleft() if self._free else self._evict_one(removed)
-            self.ref[b] = 1
-            out.append(b)
+        with self.host_pool.batched_events() if self.host_pool is not None else nullcontext():
+            for _ in range(n):
+                b = self._free.popleft() if self._free else self._evict_one(removed)
+                self.ref[b] = 1
+                out.append(b)
         if removed:
             self._emit(BlockRemoved(block_hashes=removed, medium=MEDIUM_L1))
         return out

@@ -73,6 +73,9 @@ class EventSubscriber:
     """Subscribes to many publishers and calls ``on_batch(worker_id, seq, batch)``
     from its own thread. Endpoints can be added while running.
 
+    ``decode(payload)`` turns a batch's payload into the object ``on_batch`` gets (default
+    :func:`cpd.kv.events.decode_batch`; the router's index: :func:`cpd.kv.events.decode_batch_for_index`).
+
     ``on_iteration()`` (optional) is called once per poll round, at most ~50 ms apart while the
     loop runs (a liveness tick; it may raise to end the loop). ``runner(body, stop)`` (optional)
     runs the loop in the thread: ``body()`` returns once ``stop`` is set (:meth:`close`) and raises when the
@@ -83,10 +86,12 @@ class EventSubscriber:
 
     def __init__(self, on_batch: Callable[[str, int, object], None],
                  on_iteration: Callable[[], None] | None = None,
-                 runner: Callable[[Callable[[], None], threading.Event], None] | None = None):
+                 runner: Callable[[Callable[[], None], threading.Event], None] | None = None,
+                 decode: Callable[[bytes], object] = decode_batch):
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._on_batch = on_batch
         self._on_iteration = on_iteration
+        self._decode = decode
         self._endpoints: dict[str, str] = {}
         self._lock = threading.Lock()
         self._add_q: queue.Queue[tuple[str, str]] = queue.Queue()
@@ -127,7 +132,7 @@ class EventSubscriber:
                 for s, _ in poller.poll(50):
                     topic, seq, payload = s.recv_multipart()
                     try:
-                        batch = decode_batch(payload)
+                        batch = self._decode(payload)
                     except msgspec.DecodeError:
                         self.num_decode_errors += 1
                         continue

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from cpd.auth import client_auth
 from cpd.kv.block_hash import Namespace
 from cpd.kv.event_bus import EventSubscriber
+from cpd.kv.events import decode_batch_for_index
 from cpd.messages.worker_api import KvSnapshot, L3Snapshot, MalformedBody, decode_body
 from cpd.policy.roles import PlannerConfig
 from cpd.policy.routing import LinearCostModel, RoutingConfig
@@ -227,7 +228,8 @@ class Router:
             bg.register(KV_EVENTS, stall_bound_s(stall_s, 0.05))
             router.subscriber = EventSubscriber(
                 router._on_batch, on_iteration=lambda: bg.tick(KV_EVENTS),
-                runner=lambda body, stop: bg.run_thread(KV_EVENTS, body, stop, on_restart=router._on_events_restart))
+                runner=lambda body, stop: bg.run_thread(KV_EVENTS, body, stop, on_restart=router._on_events_restart),
+                decode=decode_batch_for_index)
             for w in router.workers.by_id.values():
                 router.subscriber.add(w.worker_id, w.events_endpoint)
             await asyncio.gather(*(router._admit(w) for w in router.workers.by_id.values()))

@@ -34,8 +34,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, AllBlocksCleared, BlockRemoved, BlockStored,
-                           KVEventBatch)
+from cpd.kv.events import (MEDIUM_L1, MEDIUM_L2, MEDIUM_L3, STORED_TYPES, AllBlocksCleared, BlockRemoved,
+                           BlockStored, BlockStoredHashes, IndexEventBatch, KVEventBatch)
 from cpd.policy.routing import PrefixMatch
 from cpd.router.l3_view import ChunkKey, L3View
 from cpd.router.mask_table import PLANE_BITS, U64, MaskTable, as_u64
@@ -103,13 +103,14 @@ class PrefixIndex:
         self._pending: OrderedDict[int, float] = OrderedDict()  # hash -> predicted visible (monotonic s)
 
     # --- updates -----------------------------------------------------------------
-    def apply_batch(self, worker_id: str, seq: int, batch: KVEventBatch) -> bool:
-        """Apply one batch from ``worker_id``. A batch at or below the last applied sequence
-        number is older than the L1/L2 snapshot that set it (batches arrive in order, once):
-        its L1/L2 events are in that snapshot and are skipped, but its L3 events are not (the
-        snapshot holds no L3) and are applied. Returns False if a gap was detected (``seq`` >
-        last+1); the batch is still applied and the caller should resynchronise from a
-        snapshot."""
+    def apply_batch(self, worker_id: str, seq: int, batch: KVEventBatch | IndexEventBatch) -> bool:
+        """Apply one batch from ``worker_id`` (its ``BlockStored`` events decoded in full, or as
+        :class:`BlockStoredHashes`: the index reads their hashes and medium only). A batch at or
+        below the last applied sequence number is older than the L1/L2 snapshot that set it
+        (batches arrive in order, once): its L1/L2 events are in that snapshot and are skipped, but
+        its L3 events are not (the snapshot holds no L3) and are applied. Returns False if a gap
+        was detected (``seq`` > last+1); the batch is still applied and the caller should
+        resynchronise from a snapshot."""
         with self._lock:
             last = self._last_seq.get(worker_id)
             if last is not None and seq <= last:
@@ -134,15 +135,16 @@ class PrefixIndex:
         keys: list[int] = []
         for ev in events:
             t = type(ev)
-            if (t is BlockStored or t is BlockRemoved) and ev.medium != MEDIUM_L3:
+            stored = t is BlockStoredHashes or t is BlockStored
+            if (stored or t is BlockRemoved) and ev.medium != MEDIUM_L3:
                 if table is None:
                     table, local = self._tiers.of(self._bit(worker_id))
-                kind = (t is BlockStored, _COL.get(ev.medium, 0))
+                kind = (stored, _COL.get(ev.medium, 0))
                 if kind != run:
                     self._apply_run(table, local, run, keys)
                     run, keys = kind, []
                 keys.extend(ev.block_hashes)
-            elif t is BlockStored:  # L3: a chunk became visible (as _apply; L1/L2 masks untouched)
+            elif stored:  # L3: a chunk became visible (as _apply; L1/L2 masks untouched)
                 self._l3_stored(ev.block_hashes)
             else:
                 self._apply_run(table, local, run, keys)
@@ -170,7 +172,7 @@ class PrefixIndex:
                 pending.pop(h, None)
 
     def _apply(self, worker_id: str, ev) -> None:
-        if isinstance(ev, BlockStored):
+        if isinstance(ev, STORED_TYPES):
             if ev.medium == MEDIUM_L3:
                 self._l3_stored(ev.block_hashes)
             else:

@@ -114,7 +114,7 @@ def test_host_pool_disabled_and_lru():
 def test_register_run_is_register_per_block_with_one_event_per_run():
     """register_run registers and skips exactly the blocks one register() per block would; each
     run of registered blocks is one BlockStored (its hashes, its first block's parent, its tokens),
-    and a spilled block's L2 event carries its own tokens and parent."""
+    and so is each run of blocks spilled to L2 together (their tokens, their first block's parent)."""
     ev_run, ev_one = [], []
     runs, ones = _pool(6, host_blocks=6, events=ev_run), _pool(6, host_blocks=6, events=ev_one)
     for p in (runs, ones):
@@ -135,7 +135,8 @@ def test_register_run_is_register_per_block_with_one_event_per_run():
         p.allocate(5)  # evicts every cached block of the run, spilling each to L2
     spilled = [[(e.block_hashes, e.parent_block_hash, e.token_ids) for e in ev
                 if isinstance(e, BlockStored) and e.medium == MEDIUM_L2] for ev in (ev_run, ev_one)]
-    assert spilled[0] == spilled[1] and ([14], 13, toks[12:16]) in spilled[0]
+    # evicted tail first (15, 14, 12, 11): each chain spilled is one L2 event, in chain order
+    assert spilled[0] == spilled[1] == [([14, 15], 13, toks[12:]), ([11, 12], 10, toks[:8])]
     runs.check_invariants()
 
 
