@@ -251,6 +251,7 @@ class Router:
             for t in tasks:
                 t.cancel()
             router.subscriber.close()
+            await backend.releaser.aclose()
             await router.client.aclose()
 
         backend = self.backend = CPDBackend(self.workers, self.index, self.namespace, self.cfg, self.estimates,

@@ -63,17 +63,17 @@ import httpx
 from cpd.kv.block_hash import Namespace, hash_blocks
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
-from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, PrefillAnswer, PrefillRequest,
-                                     encode)
+from cpd.messages.worker_api import AppendRequest, DecodeLine, DecodeRequest, PrefillAnswer, PrefillRequest
 from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
 from cpd.policy.routing import pick_decode, work_s
-from cpd.router.decode_relay import JSON_HEADERS, DecodeFailed, relay_decode
+from cpd.router.decode_relay import DecodeFailed, relay_decode
 from cpd.router.dispatch_records import RecentRequests, record_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.router.metrics import RouterMetrics
 from cpd.router.prefill_relay import post_prefill
 from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
+from cpd.router.staging_release import StagingReleaser
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerSet
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
@@ -144,6 +144,7 @@ class CPDBackend:
         # pool cannot grow a decode worker's memory without limit.
         self.decode_slots = {wid: asyncio.Semaphore(max_decode_per_worker) for wid in workers.by_id}
         self.recent = RecentRequests()  # request_id -> routing record (bounded)
+        self.releaser = StagingReleaser(self.timeouts, metrics)
 
     def decide(self, req: GenerationRequest, excluded: set[str] | frozenset[str] = frozenset(),
                allow_append: bool = True, allow_raw: bool = True,
@@ -382,14 +383,7 @@ class CPDBackend:
         self._post_release(handle.release_url, HandoffRelease(handle.request_id, handle.generation))
 
     def _post_release(self, url: str, msg: HandoffRelease) -> None:
-        body = encode(msg)
-
-        async def release():
-            try:
-                await self.client.post(url, content=body, headers=JSON_HEADERS, timeout=self.timeouts.release_s)
-            except httpx.HTTPError:
-                pass
-        asyncio.get_running_loop().create_task(release())
+        self.releaser.release(self.client, url, msg)  # retried until the worker answers (bounded)
 
     async def _prefill_with_retry(self, run: _Run, sampling: SamplingParams | None = None,
                                   first: tuple[RouteDecision, list[BlockHash]] | None = None) -> _Prefilled:

@@ -58,7 +58,8 @@ class DispatchTimeouts:
       With the defaults a stuck decode worker ends its streams within ``engine.max_step_s`` (120 s)
       plus a heartbeat (0.5 s); ``decode_stall_s`` is the router's own bound, for a worker that
       does not judge itself.
-    * ``POST /handoff/release``: ``release_s``.
+    * ``POST /handoff/release``: ``release_s`` per try; a try that fails in transport is retried
+      with backoff for at most ``release_retry_s`` (:mod:`cpd.router.staging_release`).
     * Decode slot: a request waits at most until its staging's reclaim time minus
       :meth:`staging_margin` (``min(staging_margin_s, lifetime / 4)``).
 
@@ -87,6 +88,7 @@ class DispatchTimeouts:
     # a queued request's wait is free: the worker's steps advance while it serves the others.
     decode_stall_s: float = 120.0
     release_s: float = 5.0
+    release_retry_s: float = 120.0  # the senders' default reclaim_after_s: past it the staging is freed anyway
     staging_margin_s: float = 5.0
     max_prefill_attempts: int = 2
     max_decode_attempts: int = 3
