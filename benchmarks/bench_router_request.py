@@ -251,8 +251,9 @@ def _serve_router(config: str, port: int) -> None:
 def _components(lengths: list[int], reps: int) -> dict:
     """The token-id path's own steps for one request, in this process, in order (this tree's router
     code; min over ``reps``, ms): what the router computes on a request's path, without HTTP, other
-    requests or the KV-event thread. The prefill answer is a worker's: the prompt echoed in
-    ``token_ids`` and two L3 observations of every block hash (probe and write-through)."""
+    requests or the KV-event thread. The prefill answer is the tree's worker's (before issue 13's
+    last change: the prompt echoed in ``token_ids``) with two L3 observations of every block hash
+    (probe and write-through)."""
     import json as _json
 
     from cpd.kv.block_hash import Namespace, hash_blocks
@@ -277,8 +278,9 @@ def _components(lengths: list[int], reps: int) -> dict:
         chunk_ends = [(int(hs[i + 15]), 16) for i in range(0, len(hs) - 15, 16)]
         handle = HandoffHandle(kind="tcp", host="h", port=1, request_id="r", nbytes=1, dtype="<f4", shape=(1,),
                                host_id="x", generation=1, checksum=0, reclaim_after_s=30.0)
+        echo = {"token_ids": ids + [7]} if "token_ids" in PrefillResponse.__struct_fields__ else {}  # before
         ans = PrefillResponse(first_token_ids=[7], finish_reason=None, prefill_s=1.0, handoff=handle, kv_bytes=1,
-                              token_ids=ids + [7], l3_observations=[
+                              **echo, l3_observations=[
                                   L3Observation(block_hashes=list(hs), present=[], offset_s=0.0),
                                   L3Observation(block_hashes=list(hs), present=chunk_ends, offset_s=0.5)])
         answer_line = encode(PrefillLine(answer=ans))

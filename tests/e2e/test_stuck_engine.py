@@ -260,7 +260,8 @@ def test_a_decode_arriving_at_a_stuck_worker_is_refused_and_its_staging_decodes_
     ans = decode_body(r.content, PrefillResponse)
     hanger = _hang(dep, "d0")
     time.sleep(0.5)  # d0's step is stuck now, not yet for MAX_STEP_S
-    decode = DecodeRequest(request_id="direct-1050", token_ids=ans.token_ids, sampling=sampling, handoff=ans.handoff)
+    decode = DecodeRequest(request_id="direct-1050", token_ids=prompt + list(ans.first_token_ids), sampling=sampling,
+                           handoff=ans.handoff)
     t0 = time.monotonic()
     r = httpx.post(f"{_url(dep, 'd0')}/decode", content=encode(decode), headers=JSON, timeout=HANG_S * 2, auth=auth)
     elapsed = time.monotonic() - t0

@@ -6,15 +6,17 @@ from __future__ import annotations
 import httpx
 import msgspec
 import pytest
-from deploy_util import assert_no_leaks, random_prompt, start
+from deploy_util import assert_no_leaks, oracle_tokens, random_prompt, start
 
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
 from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, KvSnapshot, LoadReport,
-                                     MalformedBody, PrefillRequest, RoleChangeRequest, RoleChangeResponse,
+                                     MalformedBody, PrefillRequest, PrefillResponse, RoleChangeRequest,
+                                     RoleChangeResponse,
                                      WorkerInfoReport, decode_body, encode)
 from cpd.types import Role, Tier
 
+JSON = {"content-type": "application/json"}
 HANDLE = HandoffHandle(kind="shm", host="127.0.0.1", port=1, request_id="r", nbytes=8, dtype="<f4", shape=(2,),
                        host_id="h/b", generation=7, checksum=9, reclaim_after_s=120.0, name="/proc/1/fd/3",
                        arena_id="a" * 32, offset=4160, release_url="http://127.0.0.1:2/handoff/release")
@@ -93,6 +95,31 @@ def test_live_answers_decode_into_the_typed_messages(dep):
     assert rec["class"] == "cold" and rec["pool"] == "prefill" and rec["reasons"][0].startswith("cold:reuse=")
     assert set(rec["cached_tokens_by_tier"]) <= {str(t) for t in Tier}
     assert rec["reason"] == "static" and [c["worker_id"] for c in rec["candidates"]] == [p["worker_id"]]
+    assert_no_leaks(dep)
+
+
+def test_live_prefill_answer_does_not_echo_the_prompt(dep):
+    """The prefill worker's answer carries no copy of the prompt (``token_ids`` was 0.7 MB at 128K
+    tokens, and nobody read it): the staged sequence is the prompt + ``first_token_ids``, and
+    ``/decode`` continues it to the tokens the model gives."""
+    p, d = _worker(dep, "prefill"), _worker(dep, "decode")
+    prompt, sampling = random_prompt(803, 70), SamplingParams(max_tokens=4, ignore_eos=True)
+    r = httpx.post(p["url"] + "/prefill", content=encode(PrefillRequest(
+        request_id="echo-1", prompt_token_ids=prompt, sampling=sampling)), headers=JSON, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "token_ids" not in r.json()  # first_token_ids only
+    ans = decode_body(r.content, PrefillResponse)
+    assert ans.handoff is not None and len(ans.first_token_ids) == 1
+    tokens = list(ans.first_token_ids)
+    body = DecodeRequest(request_id="echo-1", token_ids=prompt + tokens, sampling=sampling, handoff=ans.handoff)
+    with httpx.stream("POST", d["url"] + "/decode", content=encode(body), headers=JSON, timeout=60) as s:
+        for line in s.iter_lines():
+            msg = decode_body(line.encode(), DecodeLine) if line else None
+            if msg is not None and not msg.is_heartbeat:
+                tokens += msg.token_ids
+                if msg.finish_reason is not None:
+                    break
+    assert tokens == oracle_tokens(dep.model_dir, prompt, 4)
     assert_no_leaks(dep)
 
 
