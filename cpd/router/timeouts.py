@@ -38,7 +38,8 @@ class DispatchTimeouts:
     * Decode-local append (``POST /append``): its first token is still due within
       :meth:`prefill_s` = ``min(prefill_cap_s, prefill_floor_s + prefill_slack × estimate)``
       (an append is short by construction, and one that misses is rerouted, not failed).
-    * ``POST /decode``: response headers (the worker fetched and admitted the KV) within
+    * ``POST /decode``: response headers (the worker fetched the KV; it sends heartbeats while the
+      KV waits for its engine's current step to end, then the tokens) within
       :meth:`decode_first_byte_s` = ``min(decode_cap_s, decode_floor_s + decode_slack × kv_bytes /
       handoff_bytes_per_s)``; then at most ``decode_idle_s`` between NDJSON lines (decode workers
       send a heartbeat line every 0.5 s while a request waits in their queue, so this bound is

@@ -12,14 +12,15 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
   not by a guess of its length (:mod:`cpd.router.prefill_relay`).
 - ``POST /decode`` (:class:`DecodeRequest` → NDJSON lines of :class:`DecodeLine`): fetches the KV
   (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
-  checksum, :mod:`cpd.worker.handoff`), continues decoding and streams one line per output; a
-  heartbeat line (the engine's step count, whether it is stuck, the request's state) is sent
+  checksum, :mod:`cpd.worker.handoff`; within the router's ``fetch_timeout_s``), opens the stream,
+  adds the KV to the engine (at the end of its current step), continues decoding and streams one
+  line per output; a heartbeat line (the engine's step count, whether it is stuck, the request's state) is sent
   every ``DECODE_HEARTBEAT_S`` without output, so the router can bound the stream by the engine's
   progress without knowing how long this worker queues the request (heartbeats alone prove only
   that the event loop lives, not the engine thread). While the engine's current step has run past
   ``engine.max_step_s`` (stuck), ``/prefill``, ``/decode`` and ``/append`` answer 503
-  ``{"code": "engine_stuck"}`` at once (a ``/decode`` still waiting to add its KV too: the staging
-  is left to the router's retry) and ``/health`` answers 503. A handle that no
+  ``{"code": "engine_stuck"}`` at once (a ``/decode`` still waiting to add its KV says so on its
+  heartbeat line and ends: the staging is left to the router's retry) and ``/health`` answers 503. A handle that no
   longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
   sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
 - ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
@@ -211,17 +212,6 @@ def _stuck_refusal(st: WorkerState) -> Response | None:
 def _stuck_error(st: WorkerState) -> Response:
     return _error(f"worker {st.worker_id}: engine stuck (step running for {st.runner.current_step_s():.1f} s, "
                   f"bound {st.runner.max_step_s:g} s)", 503, "engine_stuck")
-
-
-async def _unless_stuck(st: WorkerState, task: asyncio.Future, request: Request) -> bool:
-    """Wait for ``task``; False (``task`` left running) once the engine is stuck or the caller
-    has gone."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DECODE_HEARTBEAT_S)
-        if done:
-            return True
-        if st.runner.stuck() or await request.is_disconnected():
-            return False
 
 
 def build_app(st: WorkerState) -> FastAPI:
@@ -539,17 +529,50 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
             st.engine.add_decode_request(rid, body.token_ids, kv, body.sampling,
                                          num_generated=body.num_generated, cache_salt=body.cache_salt)
     adding = asyncio.ensure_future(asyncio.to_thread(add))  # waits for the engine lock: a step's end
-    if not await _unless_stuck(st, adding, request):  # the router retries elsewhere, from the same staging
-        adding.add_done_callback(lambda f: _abandon(st, rid, f))
-        return _stuck_error(st) if st.runner.stuck() else _error("the caller went away", 499)
+    return StreamingResponse(_admit_then_decode(st, rid, stream, request, handle, adding),
+                             media_type="application/x-ndjson")
+
+
+async def _admit_then_decode(st: WorkerState, rid: str, stream, request: Request, handle: HandoffHandle,
+                             adding: asyncio.Future):
+    """The decode's NDJSON lines, opened as soon as the KV is fetched: while the KV waits to be added
+    (for the engine lock, i.e. the end of the engine's current step, which may be long: an append's
+    prefill chunk of the whole token budget), heartbeat lines with the engine's progress, so the
+    router bounds the wait by progress (its step count advancing, or this worker's own
+    ``engine_stuck`` verdict), not by a guess of one step's length: a healthy worker in a long step
+    is no longer timed out and excluded. A stuck engine (its heartbeat says so, then the stream
+    ends) or a caller gone: the add is abandoned (aborted once done) and the staging kept for a
+    retry elsewhere; an add that fails (a request
+    the engine refuses: ``ValueError``): an error line, the staging released. Then
+    :func:`_decode_stream`."""
+    admitted = False
+    try:
+        while not admitted:
+            done, _ = await asyncio.wait({adding}, timeout=DECODE_HEARTBEAT_S)
+            if done:
+                admitted = True
+            elif await request.is_disconnected():
+                return
+            else:
+                progress = _progress_fields(st, rid)
+                yield encode(DecodeLine(**progress)) + b"\n"
+                if progress["engine_stuck"]:  # the caller retries elsewhere from the same staging
+                    return
+    finally:
+        if not admitted:
+            adding.add_done_callback(lambda f: _abandon(st, rid, f))
     try:
         adding.result()
-    except ValueError as e:
+    except Exception as e:  # ValueError: a request the engine refuses; anything else: a failed add
         st.runner.close_stream(rid)
         asyncio.create_task(_release(st, handle))
-        return _error(f"bad decode request: {e}", 400)
+        what = "bad decode request" if isinstance(e, ValueError) else "decode admission failed"
+        yield encode(DecodeLine(error=f"{what}: {e!r}")) + b"\n"
+        return
     st.runner.wake()
-    return StreamingResponse(_decode_stream(st, rid, stream, request, handle), media_type="application/x-ndjson")
+    async with aclosing(_decode_stream(st, rid, stream, request, handle)) as lines:
+        async for b in lines:
+            yield b
 
 
 def _abandon(st: WorkerState, rid: str, adding: asyncio.Future) -> None:
