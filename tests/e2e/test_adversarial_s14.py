@@ -1,0 +1,142 @@
+"""Adversarial session 14 (helper): failure classes the earlier adversarial files do not use, against
+real deployments (router + worker processes of the tiny random-weight Llama, real HTTP).
+
+Finding:
+
+- F1 (wrong tokens, default dtype): a decoding request that is *preempted* under KV-pool pressure
+  is resumed by recomputing its KV with a prefill (``cpd.engine.scheduler``: recompute preemption).
+  The KV of its generated tokens was first computed one token at a time; in bf16 (``--dtype auto``
+  on a CPU with AVX512-BF16/AMX, as here, and on GPUs) the recomputed KV differs in the last bits,
+  enough to flip greedy tokens. docs/architecture.md says only the decode-local append breaks the
+  oracle in bf16; recompute preemption (and so a decode migration, which re-prefills prompt +
+  tokens) does too. Live: ``pd`` 1+1 with 48 blocks a worker, 6 concurrent 300-token prompts x 200
+  tokens: 3 of 6 differed from the oracle (first difference at tokens 44-194); in the default test
+  pool (256 blocks), 4 streaming 2020-token requests and a short one: the short one (the victim)
+  differed. One in-process engine with 48 blocks shows it deterministically (4 of 6); with 512
+  blocks (no preemption) or in float32 every request is exact. ``xfail(strict)``: not fixed here
+  (exactness would need swap-out of the victim's KV, the partial last block included, instead of
+  recompute, or the documented exception).
+
+What held (no test needed beyond those here; probes in /work/notes/adversarial14.md):
+
+- the same preemption load in float32: every token exact, pools and stagings back to baseline
+  (``test_preemption_under_pool_pressure_is_exact_in_float32_and_leaks_nothing``);
+- ~60 hostile or edge bodies (numbers past every range, NaN / Infinity literals, 100k-deep nesting,
+  duplicate keys, a BOM, UTF-16 and gzip bodies, lone surrogates, NUL, ``n`` / ``best_of`` /
+  ``logprobs`` / ``echo`` / ``suffix`` / ``logit_bias``, a 2 MB ``cache_salt``, a 1 MB stop string,
+  the context limit exactly, +1, a 2047-token prompt + 1, a 2048-token prompt): 200 or a 400 with
+  the OpenAI error body, never a 5xx;
+- greedy, seeded, penalised, ``min_p`` and ``min_tokens`` requests at 15/16/17/31/32/33/48 tokens,
+  cold and L1-warm: equal to one engine (112 of 112);
+- the chat tokenizer's per-piece cache vs whole-text encoding on 3000 fuzzed conversations with
+  special tokens inside contents, two scopes: identical;
+- stop strings spanning token boundaries (the handoff token's boundary included), streamed with
+  ``stream_options`` and not: same text, cut before the stop, ``finish_reason`` stop;
+- slow readers (4 unread streams with a 2 KiB receive buffer): others' latency as with fast readers;
+- Redis SIGSTOPped with write-throughs pending (cpd, 8 concurrent cold and warm requests): exact
+  tokens in <= 6 s each (store timeouts counted), nothing leaked, served warm after SIGCONT;
+- decode-local appends at block boundaries (turn 2 = turn 1 + output, minus its last token, turn 1
+  again, turn 1 shortened, + 1 token, with penalties and ``min_tokens``, seeded) and concurrent twin
+  appends, float32: all exact;
+- 40 role changes (``POST /cpd/role``, both prefill-side workers swapped back and forth) under six
+  closed-loop clients (341 requests, 20-400 tokens): all exact, nothing leaked.
+"""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from deploy_util import assert_no_leaks, oracle_tokens, random_prompt, start
+
+PROMPT_TOKENS, MAX_TOKENS, NUM_REQUESTS = 300, 200, 6  # 6 x 32 blocks on a 48-block pool
+
+
+def _concurrent(dep, seeds: list[int]) -> dict[int, list[int] | str]:
+    """One request per seed, all at once: ``{seed: tokens or the error's text}``."""
+    out: dict[int, list[int] | str] = {}
+
+    def run(seed: int) -> None:
+        body = {"model": dep.model_name, "prompt": random_prompt(seed, PROMPT_TOKENS), "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        try:
+            r = httpx.post(f"{dep.url}/v1/completions", json=body, timeout=300)
+            out[seed] = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text[:300]
+        except httpx.HTTPError as e:
+            out[seed] = repr(e)
+    threads = [threading.Thread(target=run, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def _differing(dep, results: dict[int, list[int] | str], dtype: str) -> dict[int, object]:
+    """Seeds whose answer is not the oracle's: ``{seed: first differing index or the error}``."""
+    bad: dict[int, object] = {}
+    for seed, got in results.items():
+        want = oracle_tokens(dep.model_dir, random_prompt(seed, PROMPT_TOKENS), MAX_TOKENS, dtype=dtype)
+        if got != want:
+            bad[seed] = got if isinstance(got, str) else next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                                                              len(got))
+    return bad
+
+
+@pytest.fixture(scope="module")
+def small_pool_auto(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1, num_blocks=48)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def small_pool_f32(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1, num_blocks=48, settings={"engine.dtype": "float32"})
+    yield d
+    d.stop()
+
+
+def _bf16_native() -> bool:
+    from cpd.engine.dtype import resolve_dtype
+    return "bfloat16" in str(resolve_dtype("auto"))
+
+
+@pytest.mark.skipif(not _bf16_native(), reason="auto resolves to float32 here: the bf16 case does not arise")
+@pytest.mark.xfail(strict=True, reason="adversarial14 F1: recompute preemption in bf16 recomputes a decoding "
+                   "request's KV by prefill, which differs from its token-by-token KV in the last bits and flips "
+                   "greedy tokens (docs name only the decode-local append as a bf16 exception)")
+def test_preemption_under_pool_pressure_keeps_oracle_tokens_in_the_default_dtype(small_pool_auto):
+    dep = small_pool_auto
+    results = _concurrent(dep, [500 + i for i in range(NUM_REQUESTS)])
+    assert_no_leaks(dep)
+    assert not _differing(dep, results, "auto")
+
+
+def test_preemption_under_pool_pressure_is_exact_in_float32_and_leaks_nothing(small_pool_f32):
+    dep = small_pool_f32
+    results = _concurrent(dep, [500 + i for i in range(NUM_REQUESTS)])
+    assert not _differing(dep, results, "float32")
+    assert_no_leaks(dep)
+
+
+@pytest.mark.skipif(not _bf16_native(), reason="auto resolves to float32 here: the bf16 case does not arise")
+@pytest.mark.xfail(strict=True, reason="adversarial14 F1: recompute preemption is not exact in bf16")
+def test_one_engine_preempting_in_bf16_keeps_oracle_tokens(tiny_model_dir):
+    """The same in one in-process engine (deterministic): no router, no handoff, only preemption."""
+    from cpd.engine.dtype import resolve_dtype
+    from cpd.engine.engine import Engine, EngineRequest
+    from cpd.engine.sampling import SamplingParams
+    engine = Engine(tiny_model_dir, num_blocks=48, dtype=resolve_dtype("auto"))
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(NUM_REQUESTS)}
+    for i in range(NUM_REQUESTS):
+        engine.add_request(EngineRequest(f"r{i}", random_prompt(500 + i, PROMPT_TOKENS), sp))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    assert engine.num_preemptions > 0
+    want = {f"r{i}": oracle_tokens(tiny_model_dir, random_prompt(500 + i, PROMPT_TOKENS), MAX_TOKENS)
+            for i in range(NUM_REQUESTS)}
+    assert out == want
