@@ -111,6 +111,10 @@ class EngineSection(Section):
 
 class KVSection(Section):
     host_kv_bytes: ByteCount = Field(256 << 20, description="L2 host KV pool bytes per worker")
+    swap_space_bytes: ByteCount = Field(4 << 30, description="host bytes per worker for the KV of requests "
+                                                             "preempted under KV-pool pressure: swapped out and "
+                                                             "back exactly (0, or past it: recomputed, whose KV "
+                                                             "need not be bit-identical in bf16)")
     l3_url: str = Field("", description="L3 store: file:///dev/shm/DIR, redis://HOST:PORT or "
                                         "redis+cluster://HOST:PORT,...; empty = a fresh file:// dir per "
                                         "deployment (a worker started alone: no L3)")
@@ -324,6 +328,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("engine.kv_payload_fraction", ("--kv-payload-fraction",), worker=True),
     Flag("engine.max_step_s", ("--max-step-s",), worker=True),
     Flag("kv.host_kv_bytes", ("--host-kv-bytes",), worker=True),
+    Flag("kv.swap_space_bytes", ("--swap-space-bytes",), worker=True),
     Flag("kv.l3_url", ("--kv-store",), worker=True),
     Flag("kv.l3_chunk_blocks", ("--l3-chunk-blocks",), worker=True),
     Flag("kv.l3_capacity_bytes", ("--l3-capacity-bytes", "--l3-capacity"), worker=True),

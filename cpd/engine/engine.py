@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # the torch executor imports torch; a modeled engine never do
 log = logging.getLogger(__name__)
 
 MODES = ("full", "prefill", "decode")
+DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space per GPU
 TIERS = ("L1", "L2", "L3")
 
 
@@ -135,7 +136,7 @@ class _Req:
     __slots__ = ("id", "sampling", "mode", "max_l3_blocks", "write_through", "ns", "prompt_len", "tokens",
                  "num_output", "blocks", "num_computed", "hashes", "num_registered", "prepared",
                  "cached_by_tier", "loaded_tier", "sent_first", "import_kv", "l3_next", "stop_ids",
-                 "added_at_s", "admitted_at_s", "u32", "step_totals_at_admit")
+                 "added_at_s", "admitted_at_s", "u32", "step_totals_at_admit", "swapped")
 
     def __init__(self, rid: str, tokens: list[int], prompt_len: int, sampling: SamplingParams, mode: str,
                  ns: Namespace, max_l3_blocks: int | None, write_through: bool, stop_ids: frozenset[int],
@@ -164,6 +165,7 @@ class _Req:
         self.added_at_s = 0.0  # set by the engine, on its clock
         self.admitted_at_s: float | None = None
         self.step_totals_at_admit = (0, 0.0)  # the engine's (step_tokens_total, step_s_total) then
+        self.swapped = False  # preempted with its KV swapped out: import_kv holds it until re-admission
 
 
 class Engine:
@@ -185,6 +187,8 @@ class Engine:
         faults: test-only fault injection (:mod:`cpd.engine.faults`; default: none).
         clock: seconds for the queue times of the outputs (``queue_s``); the simulator passes
             its virtual clock.
+        swap_space_bytes: host memory (modeled bytes, as ``host_kv_bytes``) for the KV of
+            preempted requests (:meth:`_swap_out`); 0: preemption always recomputes.
     Raises:
         FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
     """
@@ -194,7 +198,7 @@ class Engine:
                  dtype: torch.dtype | None = None, connector: KVConnector | None = None,
                  event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
                  seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES):
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self._clock = clock
         if executor is None:  # the default: real model math (cpd.engine.executor_torch)
@@ -244,6 +248,8 @@ class Engine:
         self.step_tokens_total = 0  # tokens computed by those steps, all requests together
         self.step_s_total = 0.0  # their seconds (forward and sampling), on ``clock``
         self.num_preemptions = 0
+        self.swap_space_bytes = int(swap_space_bytes)  # modeled bytes, as host_kv_bytes
+        self.num_swapped_preemptions = 0  # preemptions whose KV was swapped out (the rest recompute)
         self._faults = faults or FaultPlan()
         self.num_failed_requests = 0  # requests finished with "error"
         self.num_failed_steps = 0  # steps whose forward failed with the engine at fault (canary failed too)
@@ -606,8 +612,9 @@ class Engine:
         q = 0
         for queue in (self._waiting, self._running):
             for r in queue:
-                if r.import_kv is None and r.prompt_len > r.num_computed:
-                    q += r.prompt_len - r.num_computed
+                done = r.import_kv.shape[2] if r.swapped and r.import_kv is not None else r.num_computed
+                if (r.import_kv is None or r.swapped) and r.prompt_len > done:
+                    q += r.prompt_len - done
         pool = self.pool
         self._load = {"queued_prefill_tokens": q, "running_requests": len(self._running),
                       "waiting_requests": len(self._waiting),
@@ -689,11 +696,12 @@ class Engine:
         r.blocks = list(hit) + new
         start = len(hit) * bs
         self.arrays.scatter_tokens(self.pool.kv, new, r.import_kv[:, :, start:n_kv])
-        self.executor.transfer("NIC", n_kv - start)
+        self.executor.transfer("L2" if r.swapped else "NIC", n_kv - start)  # a swap-in crosses the host link
         r.num_computed = n_kv
         r.num_registered = len(hit)
         self._register_full(r)
-        r.cached_by_tier = {"L1": len(hit) * bs, "L2": 0, "L3": 0}
+        if not r.swapped:  # a swapped request keeps what its first admission found cached
+            r.cached_by_tier = {"L1": len(hit) * bs, "L2": 0, "L3": 0}
         r.prepared = True
         return True
 
@@ -788,6 +796,25 @@ class Engine:
             tiers[r.loaded_tier.get(h, "L1")] += bs
         r.cached_by_tier = tiers
         r.prepared = True
+
+    def _swap_out(self, r: _Req) -> None:
+        """Preemption by swapping (vLLM's swap space): copy a victim's computed KV out of the pool
+        before its blocks are freed; on re-admission it is copied back exactly as computed (the
+        import path of a handoff, :meth:`_prepare_import`) instead of being recomputed by a
+        prefill, whose KV of the tokens first computed one decode step at a time need not be
+        bit-identical in low precision (bf16: a greedy token flipped). Only while the swapped KV
+        of every waiting request stays within ``swap_space_bytes`` (modeled bytes, as
+        ``host_kv_bytes``); past it the victim is recomputed (the old rule)."""
+        n = r.num_computed
+        if n <= 0 or r.import_kv is not None:
+            return
+        held = sum(int(w.import_kv.shape[2]) for w in self._waiting if w.swapped and w.import_kv is not None)
+        if (held + n) * self.kv_bytes_per_token > self.swap_space_bytes:
+            return
+        r.import_kv = self.arrays.gather_tokens(self.pool.kv, r.blocks, n)
+        self.executor.transfer("L2", n)  # device -> host
+        r.swapped = True
+        self.num_swapped_preemptions += 1
 
     def _unprepare(self, r: _Req) -> None:
         if r.blocks:
@@ -932,6 +959,7 @@ class Engine:
             self.num_preemptions += len(victims)
             self._running = [r for r in self._running if r.id not in pre]
             for r in reversed(victims):
+                self._swap_out(r)
                 self._unprepare(r)
                 self._waiting.appendleft(r)
         admitted = set(plan.admitted)
@@ -942,7 +970,7 @@ class Engine:
             self._waiting = collections.deque(r for r in self._waiting if r.id not in admitted)
             for r in prepared:
                 if r.id in admitted:
-                    r.import_kv = None
+                    r.import_kv, r.swapped = None, False
                     if r.admitted_at_s is None:
                         r.admitted_at_s = self._clock()
                         r.step_totals_at_admit = (self.step_tokens_total, self.step_s_total)

@@ -112,7 +112,8 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     sched = SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
                             max_prefill_chunk_tokens=e.max_prefill_chunk_tokens, block_size=e.block_size)
     engine = Engine(cfg.model.dir, num_blocks=e.num_blocks, block_size=e.block_size,
-                    host_kv_bytes=cfg.kv.host_kv_bytes, scheduler_config=sched, connector=connector,
+                    host_kv_bytes=cfg.kv.host_kv_bytes, swap_space_bytes=cfg.kv.swap_space_bytes,
+                    scheduler_config=sched, connector=connector,
                     event_sink=publisher.emit, executor=executor, dtype=_torch_dtype(cfg, executor),
                     faults=FaultPlan.from_env(worker_id=me.worker_id))  # test-only CPD_FAULT_* variables
     sender = receiver = None

@@ -139,15 +139,32 @@ def test_batched_decode_sampled_and_greedy_mixed(make_engine, oracle):
     assert tokens(out["s"]) == oracle(p2, seeded)
 
 
-def test_preemption_under_block_pressure(make_engine, oracle):
+@pytest.mark.parametrize("swap_space_bytes", [0, 1 << 30], ids=["recompute", "swap"])
+def test_preemption_under_block_pressure(make_engine, oracle, swap_space_bytes):
     # 12 blocks of 4 tokens; four requests that each need up to 5 blocks
-    e = make_engine(num_blocks=12, scheduler_config=SchedulerConfig(max_num_batched_tokens=32))
+    e = make_engine(num_blocks=12, scheduler_config=SchedulerConfig(max_num_batched_tokens=32),
+                    swap_space_bytes=swap_space_bytes)
     ps = [prompt(20 + i, 11) for i in range(4)]
     sp = SamplingParams(max_tokens=9, ignore_eos=True)
     out = run_all(e, [EngineRequest(f"r{i}", p, sp) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert tokens(out[f"r{i}"]) == oracle(p, sp)
     assert e.num_preemptions > 0
+    # swap space: every victim's KV came back as it was (none recomputed); none: all recomputed
+    assert e.num_swapped_preemptions == (e.num_preemptions if swap_space_bytes else 0)
+
+
+def test_swap_space_bounds_the_swapped_kv_and_past_it_preemption_recomputes(make_engine, oracle):
+    """With room for one victim's KV at a time, later victims are recomputed while it waits; the
+    tokens stay the oracle's either way and every block comes back."""
+    e = make_engine(num_blocks=12, scheduler_config=SchedulerConfig(max_num_batched_tokens=32))
+    e.swap_space_bytes = 16 * e.kv_bytes_per_token  # one victim of at most 16 computed tokens
+    ps = [prompt(40 + i, 11) for i in range(5)]
+    sp = SamplingParams(max_tokens=9, ignore_eos=True)
+    out = run_all(e, [EngineRequest(f"r{i}", p, sp) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert tokens(out[f"r{i}"]) == oracle(p, sp)
+    assert 0 < e.num_swapped_preemptions < e.num_preemptions
 
 
 def test_l2_promotion(make_engine, oracle):
@@ -405,7 +422,7 @@ def test_mixed_workload_stress(make_engine, oracle):
             assert got[r.request_id] == oracle(list(r.prompt_token_ids), sp), r.request_id
     assert got["h"] == oracle(hp, sp)
     assert e.host_pool.stats()["num_stores"] > 0 and store.saves > 0
-    # the mix really exercised every tier and recompute preemption (deterministic seeds)
+    # the mix really exercised every tier and preemption (deterministic seeds)
     assert tiers["L1"] > 0 and tiers["L2"] > 0 and tiers["L3"] > 0 and e.num_preemptions > 0
 
 
