@@ -24,7 +24,7 @@ from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, M
                                      error_code)
 from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk
-from cpd.router.timeouts import DispatchTimeouts
+from cpd.router.timeouts import WORKER_LINE_INTERVAL_S, DispatchTimeouts
 from cpd.router.workers import WorkerInfo
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -51,7 +51,9 @@ async def relay_decode(client: httpx.AsyncClient, timeouts: DispatchTimeouts, me
     yield its tokens until the finish reason; ``on_first_line`` sees the first line first.
     ``first_token_deadline`` (router monotonic clock): the first line with tokens is due by then,
     heartbeats or not (an append's first token is a prefill: bounded by its estimate);
-    :class:`DecodeFailed` (``worker_failed``) otherwise."""
+    :class:`DecodeFailed` otherwise, without ``worker_failed`` while the worker's heartbeats still
+    come: it has not failed because an estimate was short (the caller reroutes the request, and
+    keeps routing to the worker); with it when they stopped too (stopped, cut off)."""
     try:  # a free slot is taken at once; a wait for one ends before the staging's deadline
         await asyncio.wait_for(slots.acquire(), None if not slots.locked() else
                                max(0.0, staging_deadline - time.monotonic()))
@@ -95,12 +97,15 @@ async def _lines(r: httpx.Response, timeouts: DispatchTimeouts, worker_id: str,
     steps: int | None = None
     while True:
         deadline_s, why = timeouts.decode_deadline(last_line_s, last_step_s)
+        too_slow = False
         if first and first_deadline is not None and first_deadline < deadline_s:
-            deadline_s, why = first_deadline, "no first token within the bound"
+            deadline_s, why, too_slow = first_deadline, "no first token within the bound", True
         try:
             line = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline_s - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}", worker_failed=True) from None
+        except asyncio.TimeoutError:  # past an estimate's bound, a worker that still sends lines has not failed
+            lines_hold = time.monotonic() - last_line_s < 3 * WORKER_LINE_INTERVAL_S
+            raise DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}",
+                               worker_failed=not (too_slow and lines_hold)) from None
         except StopAsyncIteration:
             raise DecodeFailed("stream ended without a finish_reason", worker_failed=True) from None
         last_line_s = time.monotonic()
