@@ -37,7 +37,8 @@ class DispatchTimeouts:
       routers detect a failed worker by its connection or its liveness, not by the clock.
     * Decode-local append (``POST /append``): its first token is still due within
       :meth:`prefill_s` = ``min(prefill_cap_s, prefill_floor_s + prefill_slack × estimate)``
-      (an append is short by construction, and one that misses is rerouted, not failed).
+      (an append is short by construction, and one that misses is rerouted, not failed; its
+      worker is not blamed while its heartbeats still come: the estimate was short, not the worker).
     * ``POST /decode``: response headers (the worker fetched the KV; it sends heartbeats while the
       KV waits for its engine's current step to end, then the tokens) within
       :meth:`decode_first_byte_s` = ``min(decode_cap_s, decode_floor_s + decode_slack × kv_bytes /
