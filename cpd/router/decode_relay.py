@@ -24,6 +24,7 @@ from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, M
                                      error_code)
 from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk
+from cpd.router.stream_lines import LineReader
 from cpd.router.timeouts import WORKER_LINE_INTERVAL_S, DispatchTimeouts
 from cpd.router.workers import WorkerInfo
 
@@ -91,40 +92,61 @@ async def _lines(r: httpx.Response, timeouts: DispatchTimeouts, worker_id: str,
     (a line within ``decode_idle_s``, the engine's step count or the tokens advancing within
     ``decode_stall_s``), the first one with content by ``first_deadline`` (monotonic) when given.
     Heartbeats are skipped; one whose ``engine_stuck`` is set fails the stream at once."""
-    lines = r.aiter_lines().__aiter__()
+    lines = LineReader(r.aiter_lines())
+    try:
+        async for chunk in _chunks(lines, timeouts, worker_id, on_first_line, first_deadline):
+            yield chunk
+    finally:
+        await lines.aclose()
+
+
+async def _chunks(lines: LineReader, timeouts: DispatchTimeouts, worker_id: str,
+                  on_first_line: Callable[[DecodeLine], None] | None,
+                  first_deadline: float | None) -> AsyncGenerator[GenerationChunk, None]:
     first = True
     last_line_s = last_step_s = time.monotonic()
     steps: int | None = None
-    while True:
+
+    def bound() -> tuple[float, str, bool]:
+        """The first bound to end, why, and whether it is the estimate's (first-token) bound."""
         deadline_s, why = timeouts.decode_deadline(last_line_s, last_step_s)
-        too_slow = False
         if first and first_deadline is not None and first_deadline < deadline_s:
-            deadline_s, why, too_slow = first_deadline, "no first token within the bound", True
+            return first_deadline, "no first token within the bound", True
+        return deadline_s, why, False
+
+    def failed(why: str, too_slow: bool) -> DecodeFailed:  # past an estimate's bound, a worker still sending lines has not failed
+        lines_hold = time.monotonic() - last_line_s < 3 * WORKER_LINE_INTERVAL_S
+        return DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}", worker_failed=not (too_slow and lines_hold))
+
+    while True:
+        deadline_s, why, too_slow = bound()
         try:
-            line = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline_s - time.monotonic()))
-        except asyncio.TimeoutError:  # past an estimate's bound, a worker that still sends lines has not failed
-            lines_hold = time.monotonic() - last_line_s < 3 * WORKER_LINE_INTERVAL_S
-            raise DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}",
-                               worker_failed=not (too_slow and lines_hold)) from None
+            line = await lines.next(deadline_s)
         except StopAsyncIteration:
             raise DecodeFailed("stream ended without a finish_reason", worker_failed=True) from None
+        if line is None:
+            raise failed(why, too_slow)
         last_line_s = time.monotonic()
-        if not line:
-            continue  # an empty heartbeat (a worker that reports no progress): the idle bound only
-        try:
-            msg = decode_body(line.encode(), DecodeLine)
-        except MalformedBody as e:
-            raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
-        if msg.error is not None and msg.engine_failed:  # its engine, not the request: retry elsewhere
+        if not line:  # an empty heartbeat (a worker that reports no progress): the idle bound only
+            msg = None
+        else:
+            try:
+                msg = decode_body(line.encode(), DecodeLine)
+            except MalformedBody as e:
+                raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
+        if msg is not None and msg.error is not None and msg.engine_failed:  # its engine, not the request: retry elsewhere
             raise DecodeFailed(f"{worker_id}: its engine failed ({msg.error})", worker_failed=True)
-        if msg.error is not None:
+        if msg is not None and msg.error is not None:
             raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
-        if msg.is_heartbeat:
-            if msg.engine_stuck:
+        if msg is None or msg.is_heartbeat:
+            if msg is not None and msg.engine_stuck:
                 raise DecodeFailed(f"{worker_id}: its engine is stuck (a step past its bound; request "
                                    f"{msg.request_state or 'unknown'})", worker_failed=True)
-            if msg.num_engine_steps != steps:
+            if msg is not None and msg.num_engine_steps != steps:
                 steps, last_step_s = msg.num_engine_steps, last_line_s
+            deadline_s, why, too_slow = bound()  # lines come, but the engine or the first token is late
+            if time.monotonic() >= deadline_s:
+                raise failed(why, too_slow)
             continue
         last_step_s = last_line_s
         if first and on_first_line is not None:

@@ -21,6 +21,7 @@ import msgspec
 from cpd.messages.worker_api import (ENGINE_FAILED, MalformedBody, PrefillAnswer, PrefillAnswerLine, PrefillRequest,
                                      decode_body, encode, error_code)
 from cpd.router.protocol import BackendError
+from cpd.router.stream_lines import LineReader
 from cpd.router.timeouts import DispatchTimeouts
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -70,19 +71,27 @@ def _with_progress(body: PrefillRequest) -> PrefillRequest:
 async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s: float,
                   worker_id: str) -> PrefillAnswer:
     """Read progress lines until the answer line, each wait bounded by the progress so far."""
-    it = lines.__aiter__()
+    reader = LineReader(lines)
+    try:
+        return await _read_answer(reader, timeouts, sent_s, worker_id)
+    finally:
+        await reader.aclose()
+
+
+async def _read_answer(reader: LineReader, timeouts: DispatchTimeouts, sent_s: float, worker_id: str) -> PrefillAnswer:
     last_line_s = last_step_s = sent_s
     steps: int | None = None
     while True:
         deadline_s, why = timeouts.prefill_deadline(sent_s, last_line_s, last_step_s)
         try:
-            line = await asyncio.wait_for(it.__anext__(), max(0.0, deadline_s - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise PrefillStalled(f"{worker_id}: {why}; engine steps seen: {steps}") from None
+            line = await reader.next(deadline_s)
         except StopAsyncIteration:
             raise httpx.RemoteProtocolError(f"{worker_id}: prefill stream ended without an answer") from None
+        if line is None:
+            raise PrefillStalled(f"{worker_id}: {why}; engine steps seen: {steps}")
         last_line_s = time.monotonic()
         if not line:
+            _check_progress(timeouts, sent_s, last_line_s, last_step_s, worker_id, steps)
             continue
         try:
             msg = decode_body(line.encode(), PrefillAnswerLine)  # the prompt echo (token_ids) skipped
@@ -99,3 +108,13 @@ async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s:
                                  f"{msg.request_state or 'unknown'}); engine steps seen: {msg.num_engine_steps}")
         if msg.num_engine_steps != steps:
             steps, last_step_s = msg.num_engine_steps, last_line_s
+        _check_progress(timeouts, sent_s, last_line_s, last_step_s, worker_id, steps)
+
+
+def _check_progress(timeouts: DispatchTimeouts, sent_s: float, last_line_s: float, last_step_s: float,
+                    worker_id: str, steps: int | None) -> None:
+    """Lines come, but the engine stopped stepping or the cap has passed: :class:`PrefillStalled`.
+    (The idle bound is judged by the reads, :class:`LineReader`.)"""
+    deadline_s, why = timeouts.prefill_deadline(sent_s, last_line_s, last_step_s)
+    if time.monotonic() >= deadline_s:
+        raise PrefillStalled(f"{worker_id}: {why}; engine steps seen: {steps}")

@@ -30,10 +30,12 @@ Findings:
   streams in 3 of 4 runs (a race between the expired timer and the buffered data, so the live form
   is not a test here). A wait of at least one grace (e.g. ``max(2 x WORKER_LINE_INTERVAL_S, deadline
   - now)``) reads what is there and still fails a silent worker within ``idle + grace`` (checked on
-  a patched copy: the test below passes, a silent stream fails in 1.0 s). ``xfail(strict)``: not
-  fixed here (cpd/router/decode_relay.py is being edited by the lead); prefill_relay._answer has
-  the same ``max(0.0, ...)`` form but nothing suspends it between reads, so only the router-pause
-  race applies there.
+  a patched copy: the test below passes, a silent stream fails in 1.0 s). Fixed by the lead
+  (``cpd.router.stream_lines.LineReader``): the next line is awaited without cancelling the read,
+  every wait lasts at least a grace (1 s), and a wait the router overslept (paused) listens again
+  before the worker is called silent; the stall and first-token bounds are judged on the lines
+  read. prefill_relay._answer has the same ``max(0.0, ...)`` form but nothing suspends it between
+  reads, so only the router-pause race applies there: it reads through the same LineReader now.
 
 What held (no test needed beyond those here; probes in /work/notes/adversarial14.md):
 
@@ -168,10 +170,6 @@ class _ReadyLines(httpx.AsyncByteStream):
             yield line
 
 
-@pytest.mark.xfail(strict=True, reason="adversarial14 F2: decode_relay._lines bounds the wait for the next line by "
-                   "max(0, last_line + decode_idle_s - now): after its consumer (a slow client's send, or the paused "
-                   "router) held it past decode_idle_s, wait_for(..., 0) cancels the read before it runs, so a line "
-                   "already received fails the stream and blames the worker; cpd/router/decode_relay.py, the lead's")
 def test_a_stream_held_by_its_consumer_past_the_idle_bound_reads_the_lines_already_there():
     """Deterministic form of the router pause (module docstring, F2): the relay's generator is suspended at its
     ``yield`` (the client's socket full, or the router stopped) for longer than ``decode_idle_s``

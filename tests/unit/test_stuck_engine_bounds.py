@@ -180,3 +180,26 @@ def test_a_stuck_refusal_or_a_stuck_progress_line_is_a_worker_failure_the_router
     with pytest.raises(DecodeFailed, match="engine stuck") as e:
         asyncio.run(_decode_refused(RouterMetrics(), "d0", httpx.Response(503, content=STUCK)))
     assert e.value.worker_failed and not e.value.handoff_lost
+
+
+def test_a_silent_worker_fails_within_the_idle_bound_and_one_grace():
+    from cpd.router.stream_lines import LISTEN_GRACE_S
+    timeouts = DispatchTimeouts(decode_idle_s=1.0, decode_stall_s=30.0)
+
+    async def relay():
+        async for _ in _lines(_response([(0.05, _beat(1)), (30.0, _beat(2))]), timeouts, "d9"):
+            pass
+    t0 = time.monotonic()
+    with pytest.raises(DecodeFailed, match="no line") as e:
+        asyncio.run(relay())
+    assert e.value.worker_failed and time.monotonic() - t0 < timeouts.decode_idle_s + LISTEN_GRACE_S + 0.5
+
+
+def test_a_router_paused_past_the_idle_bound_reads_the_line_that_came_meanwhile():
+    """The router's process stopped (here: its event loop blocked) while it waited for a line that the
+    worker sent in time: the expired wait is the router's oversleep, not the worker's silence."""
+    async def paused_relay():
+        asyncio.get_running_loop().call_later(0.2, time.sleep, T.decode_idle_s + 1.5)  # the loop stops
+        return await _relay([(0.05, _beat(1)), (0.3, DecodeLine(token_ids=[9], finish_reason="length"))])
+    out, _ = asyncio.run(paused_relay())
+    assert [c.token_ids for c in out] == [[9]]
