@@ -51,7 +51,7 @@ import httpx
 import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from cpd.costmodel.prior import cost_prior
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
@@ -60,6 +60,7 @@ from cpd.messages.worker_api import (ENGINE_FAILED, Ack, AppendRequest, CostPrio
                                      PrefillLine, PrefillRequest, PrefillResponse, RoleChangeRequest,
                                      RoleChangeResponse, WorkerHealth, WorkerInfoReport, decode_body, encode)
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
+from cpd.worker.ndjson_stream import NDJSONStream
 from cpd.worker.runtime import DuplicateRequestId, EngineRunner, RequestFailed
 
 log = logging.getLogger("cpd.worker")
@@ -316,8 +317,16 @@ def build_app(st: WorkerState) -> FastAPI:
         async with anyio.create_task_group():
             pass
 
+    reclaimer: list[asyncio.Task] = []
+
+    @app.on_event("startup")
+    async def _start_reclaimer():
+        reclaimer.append(asyncio.create_task(_reclaim_loop(st)))
+
     @app.on_event("shutdown")
     async def _shutdown():
+        for t in reclaimer:
+            t.cancel()
         await st.http.aclose()
 
     return app
@@ -354,7 +363,7 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
     except (TypeError, ValueError) as e:
         return _error(f"bad prefill request: {e!r}", 400)
     if body.stream_progress:
-        return StreamingResponse(_prefill_lines(st, rid, stream, request, t0), media_type="application/x-ndjson")
+        return NDJSONStream(_prefill_lines(st, rid, stream, request, t0), on_unstarted=lambda: _forsake(st, rid))
     try:
         return _reply(await _prefill_and_stage(st, rid, stream, request, t0))
     except RuntimeError as e:  # the engine failed this request (or itself: 503, retry elsewhere)
@@ -371,6 +380,27 @@ async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
         raise
     finally:
         st.runner.close_stream(rid)
+
+
+async def _reclaim_loop(st: WorkerState) -> None:
+    """Free stagings nobody released once they are ``reclaim_after_s`` old, on a timer. The sender
+    reclaimed only when it staged the next handoff, so on an idle worker a staging whose router
+    died (or could not reach it) was held for good."""
+    while True:
+        sender = st.sender
+        period_s = 1.0 if sender is None else min(1.0, sender.reclaim_after_s / 4)
+        await asyncio.sleep(period_s)
+        if sender is not None:
+            sender.reclaim()
+
+
+def _forsake(st: WorkerState, rid: str) -> None:
+    """A streamed request whose caller went away before its stream began: abort it, release any
+    staging of it, close its stream."""
+    st.runner.abort(rid)
+    if st.sender is not None:
+        st.sender.release(rid)
+    st.runner.close_stream(rid)
 
 
 def _drop_prefill(st: WorkerState, rid: str) -> None:
@@ -529,8 +559,8 @@ async def _decode(st: WorkerState, body: DecodeRequest, request: Request):
             st.engine.add_decode_request(rid, body.token_ids, kv, body.sampling,
                                          num_generated=body.num_generated, cache_salt=body.cache_salt)
     adding = asyncio.ensure_future(asyncio.to_thread(add))  # waits for the engine lock: a step's end
-    return StreamingResponse(_admit_then_decode(st, rid, stream, request, handle, adding),
-                             media_type="application/x-ndjson")
+    return NDJSONStream(_admit_then_decode(st, rid, stream, request, handle, adding),  # caller gone: as a hang-up
+                        on_unstarted=lambda: adding.add_done_callback(lambda f: _abandon(st, rid, f)))
 
 
 async def _admit_then_decode(st: WorkerState, rid: str, stream, request: Request, handle: HandoffHandle,
@@ -594,7 +624,7 @@ def _append(st: WorkerState, body: AppendRequest, request: Request) -> Response:
         return _error(str(e), 409, "duplicate_request_id")
     except (TypeError, ValueError) as e:
         return _error(f"bad append request: {e!r}", 400)
-    return StreamingResponse(_append_stream(st, rid, stream, request), media_type="application/x-ndjson")
+    return NDJSONStream(_append_stream(st, rid, stream, request), on_unstarted=lambda: _forsake(st, rid))
 
 
 async def _append_stream(st: WorkerState, rid: str, stream, request: Request):
