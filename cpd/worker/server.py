@@ -14,15 +14,16 @@ decode into its message answers 400 ``{"error": "<message>: <what is wrong, at w
   (shared memory on one host, TCP otherwise) as a verified copy (the handle's generation and
   checksum, :mod:`cpd.worker.handoff`; within the router's ``fetch_timeout_s``), opens the stream,
   adds the KV to the engine (at the end of its current step), continues decoding and streams one
-  line per output; a heartbeat line (the engine's step count, whether it is stuck, the request's state) is sent
-  every ``DECODE_HEARTBEAT_S`` without output, so the router can bound the stream by the engine's
-  progress without knowing how long this worker queues the request (heartbeats alone prove only
-  that the event loop lives, not the engine thread). While the engine's current step has run past
-  ``engine.max_step_s`` (stuck), ``/prefill``, ``/decode`` and ``/append`` answer 503
-  ``{"code": "engine_stuck"}`` at once (a ``/decode`` still waiting to add its KV says so on its
-  heartbeat line and ends: the staging is left to the router's retry) and ``/health`` answers 503. A handle that no
-  longer names its staging answers 410 ``{"error", "code": "handoff_stale"}``; an unreachable
-  sender 502 ``{"code": "handoff_unavailable"}`` (the router re-prefills). Disconnect aborts.
+  line per output; a heartbeat line (the engine's step count, whether it is stuck, the request's
+  state) is sent every ``DECODE_HEARTBEAT_S`` without output, so the router can bound the stream
+  by the engine's progress without knowing how long this worker queues the request (heartbeats
+  alone prove only that the event loop lives, not the engine thread). While the engine's current
+  step has run past ``engine.max_step_s`` (stuck), ``/prefill``, ``/decode`` and ``/append``
+  answer 503 ``{"code": "engine_stuck"}`` at once (a ``/decode`` still waiting to add its KV says
+  so on its heartbeat line and ends: the staging is left to the router's retry) and ``/health``
+  answers 503. A handle that no longer names its staging answers 410 ``{"error", "code":
+  "handoff_stale"}``; an unreachable sender 502 ``{"code": "handoff_unavailable"}`` (the router
+  re-prefills). Disconnect aborts.
 - ``POST /append`` (:class:`AppendRequest` → NDJSON :class:`DecodeLine`): decode-local append
   (issue 11 §4): the whole generation on this worker as one full-mode request (cached prefix
   from L1/L2, the suffix prefilled here, then decoded); streamed like ``/decode`` (heartbeats
@@ -572,9 +573,8 @@ async def _admit_then_decode(st: WorkerState, rid: str, stream, request: Request
     ``engine_stuck`` verdict), not by a guess of one step's length: a healthy worker in a long step
     is no longer timed out and excluded. A stuck engine (its heartbeat says so, then the stream
     ends) or a caller gone: the add is abandoned (aborted once done) and the staging kept for a
-    retry elsewhere; an add that fails (a request
-    the engine refuses: ``ValueError``): an error line, the staging released. Then
-    :func:`_decode_stream`."""
+    retry elsewhere; an add that fails (a request the engine refuses: ``ValueError``): an error
+    line, the staging released. Then :func:`_decode_stream`."""
     admitted = False
     try:
         while not admitted:
