@@ -114,9 +114,11 @@ async def _chunks(lines: LineReader, timeouts: DispatchTimeouts, worker_id: str,
             return first_deadline, "no first token within the bound", True
         return deadline_s, why, False
 
-    def failed(why: str, too_slow: bool) -> DecodeFailed:  # past an estimate's bound, a worker still sending lines has not failed
+    def failed(why: str, too_slow: bool) -> DecodeFailed:
+        """Past an estimate's bound, a worker still sending lines has not failed."""
         lines_hold = time.monotonic() - last_line_s < 3 * WORKER_LINE_INTERVAL_S
-        return DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}", worker_failed=not (too_slow and lines_hold))
+        return DecodeFailed(f"{worker_id}: {why}; engine steps seen: {steps}",
+                            worker_failed=not (too_slow and lines_hold))
 
     while True:
         deadline_s, why, too_slow = bound()
@@ -127,21 +129,8 @@ async def _chunks(lines: LineReader, timeouts: DispatchTimeouts, worker_id: str,
         if line is None:
             raise failed(why, too_slow)
         last_line_s = time.monotonic()
-        if not line:  # an empty heartbeat (a worker that reports no progress): the idle bound only
-            msg = None
-        else:
-            try:
-                msg = decode_body(line.encode(), DecodeLine)
-            except MalformedBody as e:
-                raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
-        if msg is not None and msg.error is not None and msg.engine_failed:  # its engine, not the request: retry elsewhere
-            raise DecodeFailed(f"{worker_id}: its engine failed ({msg.error})", worker_failed=True)
-        if msg is not None and msg.error is not None:
-            raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
+        msg = _parse_line(line, worker_id)
         if msg is None or msg.is_heartbeat:
-            if msg is not None and msg.engine_stuck:
-                raise DecodeFailed(f"{worker_id}: its engine is stuck (a step past its bound; request "
-                                   f"{msg.request_state or 'unknown'})", worker_failed=True)
             if msg is not None and msg.num_engine_steps != steps:
                 steps, last_step_s = msg.num_engine_steps, last_line_s
             deadline_s, why, too_slow = bound()  # lines come, but the engine or the first token is late
@@ -153,6 +142,26 @@ async def _chunks(lines: LineReader, timeouts: DispatchTimeouts, worker_id: str,
             on_first_line(msg)
         first = False
         yield GenerationChunk(token_ids=msg.token_ids, finish_reason=msg.finish_reason)
+
+
+def _parse_line(line: str, worker_id: str) -> DecodeLine | None:
+    """One line of the stream (None: an old worker's empty heartbeat, the idle bound only); an error
+    line or a heartbeat that says the engine is stuck raises: :class:`DecodeFailed` when the
+    worker failed (retry elsewhere), :class:`BackendError` when the request did."""
+    if not line:
+        return None
+    try:
+        msg = decode_body(line.encode(), DecodeLine)
+    except MalformedBody as e:
+        raise BackendError(f"decode worker {worker_id} sent a malformed line: {e}", 502, "server_error") from None
+    if msg.error is not None and msg.engine_failed:  # its engine, not the request: retry elsewhere
+        raise DecodeFailed(f"{worker_id}: its engine failed ({msg.error})", worker_failed=True)
+    if msg.error is not None:
+        raise BackendError(f"decode worker {worker_id}: {msg.error}", 502, "server_error")
+    if msg.is_heartbeat and msg.engine_stuck:
+        raise DecodeFailed(f"{worker_id}: its engine is stuck (a step past its bound; request "
+                           f"{msg.request_state or 'unknown'})", worker_failed=True)
+    return msg
 
 
 async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Response) -> None:

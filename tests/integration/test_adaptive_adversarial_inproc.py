@@ -100,7 +100,8 @@ def test_a_load_answer_older_than_a_role_change_never_reverts_it():
 
 def test_append_first_token_is_bounded_although_heartbeats_keep_coming():
     """An append stream that answers at once and then sends only heartbeats (a decode worker that
-    never gets to the request) fails at the first-token bound, not never."""
+    never gets to the request) fails at the first-token bound, not never; its worker, whose
+    heartbeats still come, is not blamed (the caller reroutes: the estimate was short)."""
     app = FastAPI()
 
     @app.post("/append")
@@ -122,7 +123,7 @@ def test_append_first_token_is_bounded_although_heartbeats_keep_coming():
                 async for _ in relay_decode(client, timeouts, RouterMetrics(), w, asyncio.Semaphore(1), body,
                                             t0 + 1.0, 0, path="/append", first_token_deadline=t0 + 1.0):
                     pass
-            assert e.value.worker_failed
+            assert not e.value.worker_failed
             assert w.running_requests == 0
             return time.monotonic() - t0
 
