@@ -457,22 +457,22 @@ async def _prefill_and_stage(st: WorkerState, rid: str, stream, request: Request
     staged = st.runner.take_staged(rid)
     if staged is None:
         raise RuntimeError(f"request {rid}: its handoff was not staged by the engine thread")
-    _, handle = await _staged(st, rid, asyncio.wrap_future(staged))  # the staged ids: prompt + first tokens
+    handle = await _staged(st, rid, asyncio.wrap_future(staged))
     if await request.is_disconnected():  # the router gave up meanwhile: nobody will fetch it
         st.sender.release(rid, handle.generation)
     handle = msgspec.structs.replace(handle, release_url=f"{_self_url(request)}/handoff/release")
     return msgspec.structs.replace(resp, handoff=handle, kv_bytes=int(handle.nbytes))
 
 
-def stage_held(st: WorkerState, rid: str) -> tuple[list[int], Any]:
+def stage_held(st: WorkerState, rid: str) -> HandoffHandle:
     """Stage the KV of the held request ``rid`` for its handoff and release it from the engine (the
     engine thread, under the engine lock): the KV is gathered straight into its staging area, one copy.
-    Returns ``(token_ids, handle)``."""
-    token_ids: list[int] = []
+    Returns the staging's handle. (The staged sequence, prompt + first tokens, is not kept: the
+    answer does not echo it, the router holds the prompt.)"""
     handle = st.sender.stage_into(rid, st.engine.export_kv_shape(rid), _kv_wire_dtype(st.engine),
-                                  lambda out: token_ids.extend(st.engine.export_kv_into(rid, out)))
+                                  lambda out: st.engine.export_kv_into(rid, out))
     st.engine.release(rid)
-    return token_ids, handle
+    return handle
 
 
 def install_engine_thread_staging(st: WorkerState) -> None:
@@ -480,7 +480,7 @@ def install_engine_thread_staging(st: WorkerState) -> None:
     if st.sender is None:
         return
     st.runner.stage_handoff = lambda rid: stage_held(st, rid)
-    st.runner.release_staged = lambda rid, staged: st.sender.release(rid, staged[1].generation)
+    st.runner.release_staged = lambda rid, handle: st.sender.release(rid, handle.generation)
 
 
 async def _staged(st: WorkerState, rid: str, staging):
@@ -494,7 +494,7 @@ async def _staged(st: WorkerState, rid: str, staging):
     except asyncio.CancelledError:
         def release(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None:
-                st.sender.release(rid, f.result()[1].generation)
+                st.sender.release(rid, f.result().generation)
         fut.add_done_callback(release)
         raise
 
