@@ -63,6 +63,19 @@ DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space per GPU
 TIERS = ("L1", "L2", "L3")
 
 
+def loads_since(now: dict, reported: dict) -> dict:
+    """The tier loads since the last report: ``{tier: (bytes, s)}`` of each tier in ``now`` (the
+    engine's running totals, e.g. :attr:`Engine.l2_load_bytes` with its seconds) that loaded more
+    bytes than in ``reported`` (the totals at the last report), as differences. The worker's
+    prefill answers and the simulator report them alike."""
+    out = {}
+    for tier, (b, t) in now.items():
+        b0, t0 = reported.get(tier, (0, 0.0))
+        if b > b0:
+            out[tier] = (b - b0, t - t0)
+    return out
+
+
 @dataclass
 class EngineRequest:
     """A generation request.

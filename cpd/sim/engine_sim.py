@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
-from cpd.engine.engine import Engine, EngineRequest, SamplingParams
+from cpd.engine.engine import Engine, EngineRequest, SamplingParams, loads_since
 from cpd.engine.executor_modeled import ModeledExecutor, ModeledModelConfig
 from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks_u32le
@@ -410,11 +410,7 @@ class EngineSimulator:
         now = {"L2": (eng.l2_load_bytes, w.wait_s.get("L2", 0.0))}
         if w.l3_writer is not None:
             now["L3"] = (eng.l3_load_bytes, w.wait_s.get("L3", 0.0))
-        out = {}
-        for tier, (b, t) in now.items():
-            b0, t0 = w.transfers_reported.get(tier, (0, 0.0))
-            if b > b0:
-                out[tier] = (b - b0, t - t0)
+        out = loads_since(now, w.transfers_reported)
         w.transfers_reported = now
         return out
 

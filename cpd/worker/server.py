@@ -55,6 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cpd.costmodel.prior import cost_prior
+from cpd.engine.engine import loads_since
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.worker_api import (ENGINE_FAILED, Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest,
                                      ErrorBody, KvSnapshot, L3Observation, L3Snapshot, LoadReport, MalformedBody,
@@ -133,11 +134,7 @@ class WorkerState:
         now = {Tier.L2: (eng.l2_load_bytes, eng.l2_load_seconds)}
         if self.connector is not None:
             now[Tier.L3] = (eng.l3_load_bytes, eng.l3_load_seconds)
-        out = {}
-        for tier, (b, t) in now.items():
-            b0, t0 = self._transfers_reported.get(tier, (0, 0.0))
-            if b > b0:
-                out[tier] = (b - b0, t - t0)
+        out = loads_since(now, self._transfers_reported)
         self._transfers_reported = now
         return out
 
