@@ -202,6 +202,8 @@ class Engine:
             its virtual clock.
         swap_space_bytes: host memory (modeled bytes, as ``host_kv_bytes``) for the KV of
             preempted requests (:meth:`_swap_out`); 0: preemption always recomputes.
+        batch_invariant: the torch executor computes every row by calls of fixed shapes, so its
+            tokens do not depend on chunking, batching or path (:mod:`cpd.engine.batch_invariant`).
     Raises:
         FileNotFoundError / KeyError / ValueError: bad model directory or sizes.
     """
@@ -211,14 +213,16 @@ class Engine:
                  dtype: torch.dtype | None = None, connector: KVConnector | None = None,
                  event_sink: EventSink | None = None, model_id: str | None = None, adapter_id: str = "",
                  seed: int = 0, faults: FaultPlan | None = None, executor: Executor | None = None,
-                 clock: Callable[[], float] = time.monotonic, swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES):
+                 clock: Callable[[], float] = time.monotonic, swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
+                 batch_invariant: bool = False):
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self._clock = clock
         if executor is None:  # the default: real model math (cpd.engine.executor_torch)
             if model_dir is None:
                 raise ValueError("Engine needs a model_dir, or an executor")
             from cpd.engine.executor_torch import TorchExecutor
-            executor = TorchExecutor(model_dir, device=device, dtype=dtype, seed=seed, model_id=model_id)
+            executor = TorchExecutor(model_dir, device=device, dtype=dtype, seed=seed, model_id=model_id,
+                                     batch_invariant=batch_invariant)
         self.executor: Executor = executor
         self.model = getattr(executor, "model", None)
         self.device = getattr(executor, "device", None)

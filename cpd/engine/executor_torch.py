@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from cpd.engine.batch_invariant import KV_DTYPE_SUFFIX
 from cpd.engine.executor import ForwardSeq, KVLayout, TokenHistory
 from cpd.engine.kv_arrays import TorchKVArrays
 from cpd.engine.model import SeqBatchInfo, build_metadata
@@ -27,10 +28,12 @@ class TorchExecutor:
         seq_kv_bytes: cap on the contiguous per-sequence KV rows that decode and chunked
             prefill read instead of gathering blocks every step (:mod:`cpd.engine.seq_kv`);
             None = the size of the engine's KV pool, 0 = off (always gather).
+        batch_invariant: compute every row by calls of fixed shapes, so that its result does not
+            depend on its chunk, batch or path (:mod:`cpd.engine.batch_invariant`; slower).
     """
 
     def __init__(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None, seed: int = 0,
-                 model_id: str | None = None, seq_kv_bytes: int | None = None):
+                 model_id: str | None = None, seq_kv_bytes: int | None = None, batch_invariant: bool = False):
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else torch.float32
         self.model, self.config, self.weights_digest = load_model_dir_with_digest(
@@ -42,7 +45,10 @@ class TorchExecutor:
             self.arrays.element_size
         self.model_id = model_id or model_id_of(model_dir)
         self.tokenizer_digest = tokenizer_digest(model_dir)
-        self.kv_dtype = str(self.dtype).replace("torch.", "")
+        self.model.set_batch_invariant(batch_invariant)
+        self.batch_invariant = batch_invariant
+        # the KV's numeric flavour is a namespace part: batch-invariant KV is never mixed with other KV
+        self.kv_dtype = str(self.dtype).replace("torch.", "") + (KV_DTYPE_SUFFIX if batch_invariant else "")
         self._gen = torch.Generator().manual_seed(seed)
         self.seq_kv = SeqKVArena(self.dtype, self.device, seq_kv_bytes)
 

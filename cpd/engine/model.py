@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpd.engine import cpu_blas
+from cpd.engine import batch_invariant, cpu_blas
 from cpd.engine.seq_kv import ArenaStep
 from cpd.engine.weights import ModelConfig
 
@@ -361,6 +361,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = _linear(cfg.intermediate_size, h, mb, device, dtype, tr)
         #: linear of more than SMALL_ROWS rows (prefill; every linear when weights_transposed)
         self.big_linear = cpu_blas.linear if tr else F.linear
+        #: every linear on fixed row tiles, attention by :func:`cpd.engine.batch_invariant.attend`
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Turn the batch-invariant math (:mod:`cpd.engine.batch_invariant`) on or off."""
+        self.batch_invariant = on
+        base = cpu_blas.linear if self.weights_transposed else F.linear
+        self.big_linear = batch_invariant.tiled_linear(base) if on else base
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: BatchMetadata, batched_decode: bool = True,
@@ -372,7 +380,7 @@ class DecoderLayer(nn.Module):
         and the result is ``[len(keep_rows), hidden]``."""
         T = x.shape[0]
         nh, nkv, d = self.nh, self.nkv, self.d
-        big, tr = self.big_linear, self.weights_transposed
+        big, tr = self.big_linear, self.weights_transposed or self.batch_invariant
         r = self.input_layernorm(x)
         qkv = _mm(r, self._qkv_w, self._qkv_b, big, tr)  # [T, (nh + 2 nkv) d]
         qk = qkv[:, :(nh + nkv) * d].view(T, nh + nkv, d)
@@ -390,7 +398,9 @@ class DecoderLayer(nn.Module):
             # [2, rows, H, cap, D] seen as [2, rows, cap, H, D]: (row, position) -> one token's K/V heads
             rows, pos = meta.arena_index
             arena_layer.transpose(2, 3)[:, rows, pos] = (kv_new if at is None else kv_new[at]).transpose(0, 1)
-        if not batched_decode:
+        if self.batch_invariant:
+            attn = batch_invariant.attend(q, k_cache, v_cache, meta.seqs, nkv)
+        elif not batched_decode:
             attn = self._attend_per_seq(q, k_cache, v_cache, meta.seqs)
         elif meta.decode_all:
             attn = self._attend_decode(q, kv_layer, meta, arena_layer)
@@ -598,6 +608,16 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         #: attend one-token rows of a batch together (False: the per-sequence reference path)
         self.batched_decode = True
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every row computed by calls of fixed shapes (:mod:`cpd.engine.batch_invariant`): a
+        row's result then depends on its own inputs only, not on its chunk, batch or path."""
+        self.batch_invariant = on
+        for layer in self.layers:
+            layer.set_batch_invariant(on)
+        base = cpu_blas.linear if cpu_blas.wanted(self.device, self.dtype) else F.linear
+        self.big_linear = batch_invariant.tiled_linear(base) if on else base
 
     # HF name -> our module path
     _HF_RENAMES = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj",
@@ -667,4 +687,4 @@ class LlamaModel(nn.Module):
             x = x.index_select(0, logits_indices)
         x = self.norm(x)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return _mm(x, w, None, self.big_linear).float()
+        return _mm(x, w, None, self.big_linear, self.batch_invariant).float()
