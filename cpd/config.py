@@ -86,6 +86,10 @@ class EngineSection(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="torch executor: model and KV dtype; auto = bfloat16 where the CPU (AVX512-BF16/AMX) "
                             "or GPU computes it natively, else float32; float16 on CUDA only (cpd.engine.dtype)")
+    batch_invariant: bool = Field(False, description="torch executor: compute every token row by calls of fixed "
+                                                     "shapes, so greedy tokens are bit-exact on every path in any "
+                                                     "dtype (chunking, batching, decode-local append); ~2-4x "
+                                                     "slower (cpd.engine.batch_invariant)")
     executor: Literal["torch", "modeled"] = Field(
         "torch", description="torch: real model math; modeled: the cost model's step times and pseudo tokens, "
                              "no torch (cpd.engine.executor_modeled)")
@@ -320,6 +324,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("engine.max_prefill_chunk_tokens", ("--max-prefill-chunk-tokens",), worker=True),
     Flag("engine.torch_threads", ("--torch-threads",), worker=True),
     Flag("engine.dtype", ("--dtype",), worker=True),
+    Flag("engine.batch_invariant", ("--batch-invariant",), worker=True),
     Flag("engine.executor", ("--executor",), worker=True),
     Flag("engine.hardware", ("--hardware",), worker=True),
     Flag("engine.model_shape", ("--model-shape",), worker=True),

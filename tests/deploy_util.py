@@ -90,14 +90,16 @@ def random_prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(10, 40000, size=n)]
 
 
-def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str = "auto") -> list[int]:
+def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str = "auto",
+                  batch_invariant: bool = False) -> list[int]:
     """Greedy tokens of one plain in-process engine running the prompt alone (docs/architecture.md oracle),
-    at the dtype the deployed workers run (``engine.dtype``, default auto)."""
+    at the dtype the deployed workers run (``engine.dtype``, default auto) and in their mode
+    (``engine.batch_invariant``)."""
     from cpd.engine.dtype import resolve_dtype
     from cpd.engine.engine import Engine
     from cpd.engine.sampling import SamplingParams
     num_blocks = max(64, -(-(len(prompt) + max_tokens) // 16) + 1)  # room for the whole sequence
-    return Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype)).generate(
+    return Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype), batch_invariant=batch_invariant).generate(
         prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 

@@ -11,21 +11,24 @@ float32 the difference stays in the last bits; in bfloat16 it is rounded into th
 the KV, and it flipped a greedy token in about one chunking in five on the tiny test model (700-token
 prompts, 60 tokens out; ``tests/integration/test_batch_invariance.py``).
 
-This mode computes every row with calls of one fixed shape, whatever the batch:
+This mode computes every row with calls whose shapes do not depend on the batch:
 
 - linears run on tiles of exactly :data:`TILE_ROWS` rows (the last tile zero-padded), so every
   call has the same ``M`` and a row's result depends on that row alone;
-- attention runs in float32 on query tiles of :data:`QUERY_TILE` rows against key blocks of
-  :data:`KV_BLOCK` positions counted from position 0, merged in block order by an online
-  softmax. A key past a query's position is masked to probability exactly 0 (its term adds an exact
-  zero), and a block wholly past it is an exact no-op for that row, so a row's output depends
-  only on the K/V of positions up to its own — not on the chunk, the batch or the path (prefill,
-  decode, decode-local append, a handoff's imported prefix).
+- attention runs in float32 over key blocks of :data:`KV_BLOCK` positions counted from position
+  0. A row at position ``t`` sees the blocks before its own whole, through torch's CPU flash kernel
+  called once per block with exactly :data:`KV_BLOCK` keys (with the key length fixed its result
+  for a row does not depend on the other query rows of the call: checked by the tests), and its
+  own block up to ``t`` on tiles of :data:`QUERY_TILE` rows with the keys past ``t`` masked. The
+  parts are merged by their log-sum-exps in block order. Which parts a row has, and how each is
+  computed, depends on ``t`` alone: so its output does not depend on the chunk, the batch or
+  the path (prefill, decode, decode-local append, a handoff's imported prefix).
 
-Its price is compute: padded tiles, the whole key block computed before masking, float32 attention
-and many small calls (``docs/results/engine_speed``). It is what vLLM's batch-invariant mode and
-SGLang's deterministic inference do with their own GPU kernels; here it is built from torch's, with
-the shapes fixed. Its KV is a numeric flavour of its own (the ``kv_dtype`` namespace part gets
+Its price is compute (padded tiles, float32 attention, more and smaller calls):
+``docs/results/batch_invariant`` measures it. vLLM's batch-invariant mode and SGLang's
+deterministic inference do the same with GPU kernels of their own; here it is built from torch's
+CPU kernels with the shapes fixed (a CUDA device is not supported: the flash call is the CPU one).
+Its KV is a numeric flavour of its own (the ``kv_dtype`` namespace part gets
 :data:`KV_DTYPE_SUFFIX`), so it is never mixed with KV computed the ordinary way.
 """
 from __future__ import annotations
@@ -82,39 +85,77 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> torch.Tensor:
     """One sequence: ``q [n, nh, d]`` at positions ``L - n .. L - 1`` over ``k, v [L, nkv, d]``
-    (float32) → ``[n, nh * d]``."""
+    (float32) → ``[n, nh * d]``.
+
+    A row at position ``t`` attends over the key blocks ``0 .. t // KV_BLOCK - 1`` whole (torch's
+    CPU flash kernel, one call per block over every row that sees all of it: with the key length
+    fixed, its result for a row does not depend on the other rows) and over its own block
+    ``t // KV_BLOCK`` up to ``t`` (:func:`_own_block`, fixed-shape tiles); the parts are merged by
+    their log-sum-exps in block order."""
     n, nh, d = q.shape
     L, g = k.shape[0], nh // nkv
-    n_pad, L_pad = -(-n // QUERY_TILE) * QUERY_TILE, -(-L // KV_BLOCK) * KV_BLOCK
-    # queries as [nkv, g * tiles, QUERY_TILE, d]: one batch entry per (query head, tile)
-    qt = q.new_zeros(n_pad, nkv, g, d)
-    qt[:n] = q.view(n, nkv, g, d)
-    qt = qt.permute(1, 2, 0, 3).reshape(nkv, g * (n_pad // QUERY_TILE), QUERY_TILE, d)
-    # keys and values as contiguous [blocks, nkv, 1, d, KV_BLOCK] / [blocks, nkv, 1, KV_BLOCK, d]
-    kb = k.new_zeros(L_pad, nkv, d)
-    kb[:L] = k
-    kb = kb.view(-1, KV_BLOCK, nkv, d).permute(0, 2, 3, 1).contiguous()[:, :, None]
-    vb = v.new_zeros(L_pad, nkv, d)
-    vb[:L] = v
-    vb = vb.view(-1, KV_BLOCK, nkv, d).transpose(1, 2).contiguous()[:, :, None]
-    # every padded query row sits at the last position (its output is dropped)
-    pos = torch.full((n_pad,), L - 1, dtype=torch.int64, device=q.device)
-    pos[:n] = torch.arange(L - n, L, device=q.device)
-    pos = pos.view(-1, QUERY_TILE).repeat(g, 1)[None, :, :, None]  # [1, g * tiles, QUERY_TILE, 1]
-    shape = qt.shape[:3]
-    m = qt.new_full(shape, -math.inf)
-    den = qt.new_zeros(shape)
-    acc = qt.new_zeros(qt.shape)
-    scale = 1.0 / math.sqrt(d)
+    pos0 = L - n  # position of the first row
+    qf = q.view(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)  # GQA folded, position-major
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, nkv, L, d]
+    m = q.new_full((n, nh), -math.inf)
+    den = q.new_zeros(n, nh)
+    acc = q.new_zeros(n, nh, d)
+    for j in range((L - 1) // KV_BLOCK):  # the blocks some row sees whole
+        r0 = max(0, (j + 1) * KV_BLOCK - pos0)  # first row past block j
+        if r0 >= n:
+            continue
+        keys = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
+        o, lse = _FLASH(qf[:, :, r0 * g:], kh[:, :, keys].contiguous(), vh[:, :, keys].contiguous(), 0.0, False)
+        _merge(m, den, acc, r0, o.view(nkv, n - r0, g, d).transpose(0, 1).reshape(n - r0, nh, d),
+               lse.view(nkv, n - r0, g).transpose(0, 1).reshape(n - r0, nh))
+    o, lse = _own_block(q, k, v, pos0, nkv)
+    _merge(m, den, acc, 0, o, lse)
+    return acc.div_(den[..., None]).view(n, nh * d)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _merge(m: torch.Tensor, den: torch.Tensor, acc: torch.Tensor, r0: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Add a part ``o [r, nh, d]`` (normalized) with log-sum-exp ``lse [r, nh]`` to rows ``r0 ..``
+    of the running state (max ``m``, denominator ``den``, unnormalized ``acc``), in place."""
+    mr, dr, ar = m[r0:], den[r0:], acc[r0:]
+    m_new = torch.maximum(mr, lse)
+    a, b = (mr - m_new).exp_(), (lse - m_new).exp_()
+    ar.mul_(a[..., None]).add_(o * b[..., None])
+    dr.mul_(a).add_(b)
+    mr.copy_(m_new)
+
+
+def _own_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's attention over its own key block up to its position: ``(o [n, nh, d], lse [n, nh])``.
+    Rows are grouped by block; each group runs on tiles of :data:`QUERY_TILE` rows (× the query
+    heads of a KV head) against the block's :data:`KV_BLOCK` keys, zero-padded, keys past a row masked."""
+    n, nh, d = q.shape
+    g = nh // nkv
+    o_all, lse_all = q.new_empty(n, nh, d), q.new_empty(n, nh)
+    pos = torch.arange(pos0, pos0 + n, device=q.device)
+    blocks = pos // KV_BLOCK
     key_pos = torch.arange(KV_BLOCK, device=q.device)
-    for j in range(L_pad // KV_BLOCK):
-        s = torch.matmul(qt, kb[j]).mul_(scale)  # [nkv, g * tiles, QUERY_TILE, KV_BLOCK]
-        s.masked_fill_(key_pos + j * KV_BLOCK > pos, -math.inf)
-        m_new = torch.maximum(m, s.amax(-1))
-        alpha = (m - m_new).exp_()
-        p = (s - m_new[..., None]).exp_()
-        den = den.mul_(alpha).add_(p.sum(-1))
-        acc = acc.mul_(alpha[..., None]).add_(torch.matmul(p, vb[j]))
-        m = m_new
-    o = acc.div_(den[..., None]).view(nkv, g, n_pad, d)[:, :, :n]
-    return o.permute(2, 0, 1, 3).reshape(n, nh * d)
+    for j in torch.unique(blocks).tolist():
+        rows = (blocks == j).nonzero().flatten()
+        r, r_pad = rows.numel(), -(-rows.numel() // QUERY_TILE) * QUERY_TILE
+        qt = q.new_zeros(r_pad, nkv, g, d)
+        qt[:r] = q[rows].view(r, nkv, g, d)
+        qt = qt.transpose(0, 1).reshape(nkv, r_pad // QUERY_TILE, QUERY_TILE * g, d)
+        kb, vb = k.new_zeros(KV_BLOCK, nkv, d), v.new_zeros(KV_BLOCK, nkv, d)
+        end = min((j + 1) * KV_BLOCK, k.shape[0])
+        kb[:end - j * KV_BLOCK], vb[:end - j * KV_BLOCK] = k[j * KV_BLOCK:end], v[j * KV_BLOCK:end]
+        s = torch.matmul(qt, kb.permute(1, 2, 0)[:, None]).mul_(1.0 / math.sqrt(d))  # [nkv, tiles, Tq*g, B]
+        row_pos = torch.full((r_pad,), int(pos[rows[-1]]), device=q.device)
+        row_pos[:r] = pos[rows]
+        row_pos = row_pos.view(-1, QUERY_TILE).repeat_interleave(g, 1)[None, :, :, None]
+        s.masked_fill_(key_pos + j * KV_BLOCK > row_pos, -math.inf)
+        mx = s.amax(-1)
+        p = (s - mx[..., None]).exp_()
+        den = p.sum(-1)
+        o = torch.matmul(p, vb.transpose(0, 1)[:, None]).div_(den[..., None])  # [nkv, tiles, Tq*g, d]
+        lse = mx + den.log()
+        o_all[rows] = o.view(nkv, r_pad, g, d)[:, :r].transpose(0, 1).reshape(r, nh, d)
+        lse_all[rows] = lse.view(nkv, r_pad, g)[:, :r].transpose(0, 1).reshape(r, nh)
+    return o_all, lse_all

@@ -35,6 +35,8 @@ class TorchExecutor:
     def __init__(self, model_dir: str | Path, device: Any = "cpu", dtype: Any = None, seed: int = 0,
                  model_id: str | None = None, seq_kv_bytes: int | None = None, batch_invariant: bool = False):
         self.device = torch.device(device)
+        if batch_invariant and self.device.type != "cpu":
+            raise ValueError("batch_invariant is implemented for the CPU only (cpd.engine.batch_invariant)")
         self.dtype = dtype if dtype is not None else torch.float32
         self.model, self.config, self.weights_digest = load_model_dir_with_digest(
             model_dir, device=self.device, dtype=self.dtype)

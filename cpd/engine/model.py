@@ -615,6 +615,7 @@ class LlamaModel(nn.Module):
         row's result then depends on its own inputs only, not on its chunk, batch or path."""
         self.batch_invariant = on
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.set_batch_invariant(on)
         base = cpu_blas.linear if cpu_blas.wanted(self.device, self.dtype) else F.linear
         self.big_linear = batch_invariant.tiled_linear(base) if on else base

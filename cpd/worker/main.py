@@ -115,6 +115,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
                     host_kv_bytes=cfg.kv.host_kv_bytes, swap_space_bytes=cfg.kv.swap_space_bytes,
                     scheduler_config=sched, connector=connector,
                     event_sink=publisher.emit, executor=executor, dtype=_torch_dtype(cfg, executor),
+                    batch_invariant=e.batch_invariant,
                     faults=FaultPlan.from_env(worker_id=me.worker_id))  # test-only CPD_FAULT_* variables
     sender = receiver = None
     from cpd.worker.handoff import HandoffReceiver, HandoffSender
