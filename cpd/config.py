@@ -88,7 +88,7 @@ class EngineSection(Section):
                             "or GPU computes it natively, else float32; float16 on CUDA only (cpd.engine.dtype)")
     batch_invariant: bool = Field(False, description="torch executor: compute every token row by calls of fixed "
                                                      "shapes, so greedy tokens are bit-exact on every path in any "
-                                                     "dtype (chunking, batching, decode-local append); ~2-4x "
+                                                     "dtype (chunking, batching, decode-local append); ~2-3x "
                                                      "slower (cpd.engine.batch_invariant)")
     executor: Literal["torch", "modeled"] = Field(
         "torch", description="torch: real model math; modeled: the cost model's step times and pseudo tokens, "

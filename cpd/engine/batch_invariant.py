@@ -77,9 +77,14 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     T, nh, d = q.shape
     out = q.new_empty(T, nh * d)
     for qs, n, ctx in seqs:
-        k = k_cache.index_select(0, ctx).float()
-        v = v_cache.index_select(0, ctx).float()
-        out[qs:qs + n] = _attend_seq(q[qs:qs + n].float(), k, v, num_kv_heads).to(q.dtype)
+        if n > 1:
+            k, v = k_cache.index_select(0, ctx), v_cache.index_select(0, ctx)
+            out[qs:qs + n] = _attend_seq(q[qs:qs + n], k, v, num_kv_heads).to(q.dtype)
+    single = [(qs, ctx) for qs, n, ctx in seqs if n == 1]  # decode rows (and one-token chunks)
+    if single:
+        rows = torch.tensor([qs for qs, _ in single], device=q.device)
+        out[rows] = _attend_single_rows(q[rows], k_cache, v_cache, [c for _, c in single],
+                                        num_kv_heads).to(q.dtype)
     return out
 
 
@@ -96,35 +101,88 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> 
     L, g = k.shape[0], nh // nkv
     pos0 = L - n  # position of the first row
     qf = q.view(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)  # GQA folded, position-major
-    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, nkv, L, d]
-    m = q.new_full((n, nh), -math.inf)
-    den = q.new_zeros(n, nh)
-    acc = q.new_zeros(n, nh, d)
+    kh, vh = _blocks(k[:(L - 1) // KV_BLOCK * KV_BLOCK]), _blocks(v[:(L - 1) // KV_BLOCK * KV_BLOCK])
+    m, den, acc = _state(n, nh, d, q.device)
     for j in range((L - 1) // KV_BLOCK):  # the blocks some row sees whole
         r0 = max(0, (j + 1) * KV_BLOCK - pos0)  # first row past block j
         if r0 >= n:
             continue
-        keys = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
-        o, lse = _FLASH(qf[:, :, r0 * g:], kh[:, :, keys].contiguous(), vh[:, :, keys].contiguous(), 0.0, False)
-        _merge(m, den, acc, r0, o.view(nkv, n - r0, g, d).transpose(0, 1).reshape(n - r0, nh, d),
+        o, lse = _FLASH(qf[:, :, r0 * g:], kh[j][None], vh[j][None], 0.0, False)
+        _merge(m, den, acc, slice(r0, n), o.view(nkv, n - r0, g, d).transpose(0, 1).reshape(n - r0, nh, d),
                lse.view(nkv, n - r0, g).transpose(0, 1).reshape(n - r0, nh))
     o, lse = _own_block(q, k, v, pos0, nkv)
-    _merge(m, den, acc, 0, o, lse)
+    _merge(m, den, acc, slice(0, n), o, lse)
     return acc.div_(den[..., None]).view(n, nh * d)
+
+
+def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        ctxs: list[torch.Tensor], nkv: int) -> torch.Tensor:
+    """Rows that are their sequence's only new token (decode rows), all sequences at once:
+    ``q [S, nh, d]`` (float32) at the last position of each context → ``[S, nh * d]``. The same
+    parts as :func:`_attend_seq` computes for a row, by calls of the same shapes with the
+    sequences as the batch dimension (one call per block index instead of one per sequence)."""
+    S, nh, d = q.shape
+    g = nh // nkv
+    lens = torch.tensor([c.shape[0] for c in ctxs], device=q.device)
+    width = -(-int(lens.max()) // KV_BLOCK) * KV_BLOCK
+    slots = torch.zeros(S, width, dtype=torch.int64, device=q.device)  # padding reads slot 0: masked
+    for i, c in enumerate(ctxs):
+        slots[i, :c.shape[0]] = c
+    flat = slots.flatten()
+    k = k_cache.index_select(0, flat).view(S, width, nkv, d)
+    v = v_cache.index_select(0, flat).view(S, width, nkv, d)
+    qf = q.view(S, nkv, g, d)
+    full = (lens - 1) // KV_BLOCK  # whole blocks before each row's own
+    m, den, acc = _state(S, nh, d, q.device)
+    nb = int(full.max())
+    kh = k[:, :nb * KV_BLOCK].view(S, nb, KV_BLOCK, nkv, d).permute(1, 0, 3, 2, 4).contiguous()
+    vh = v[:, :nb * KV_BLOCK].view(S, nb, KV_BLOCK, nkv, d).permute(1, 0, 3, 2, 4).contiguous()
+    for j in range(nb):  # kh[j]: [S, nkv, KV_BLOCK, d]
+        rows = (full > j).nonzero().flatten()
+        if rows.numel() == S:
+            o, lse = _FLASH(qf, kh[j], vh[j], 0.0, False)
+            _merge(m, den, acc, slice(0, S), o.reshape(S, nh, d), lse.reshape(S, nh))
+        else:
+            o, lse = _FLASH(qf[rows], kh[j].index_select(0, rows), vh[j].index_select(0, rows), 0.0, False)
+            _merge(m, den, acc, rows, o.reshape(-1, nh, d), lse.reshape(-1, nh))
+    own = (full * KV_BLOCK)[:, None] + torch.arange(KV_BLOCK, device=q.device)  # [S, KV_BLOCK]
+    own = own.clamp_(max=width - 1)
+    batch = torch.arange(S, device=q.device)[:, None]
+    qt = q.new_zeros(S, nkv, QUERY_TILE * g, d, dtype=torch.float32)
+    qt[:, :, :g] = qf  # the row first in its tile, as a lone row is in _own_block
+    kb, vb = k[batch, own].float(), v[batch, own].float()  # [S, KV_BLOCK, nkv, d]
+    o, lse = _tile_attend(qt, kb.permute(0, 2, 3, 1), vb.transpose(1, 2),
+                          (lens - 1)[:, None, None, None], (full * KV_BLOCK)[:, None, None, None])
+    _merge(m, den, acc, slice(0, S), o[:, :, :g].reshape(S, nh, d), lse[:, :, :g].reshape(S, nh))
+    return acc.div_(den[..., None]).view(S, nh * d)
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _merge(m: torch.Tensor, den: torch.Tensor, acc: torch.Tensor, r0: int, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """Add a part ``o [r, nh, d]`` (normalized) with log-sum-exp ``lse [r, nh]`` to rows ``r0 ..``
-    of the running state (max ``m``, denominator ``den``, unnormalized ``acc``), in place."""
-    mr, dr, ar = m[r0:], den[r0:], acc[r0:]
+def _state(n: int, nh: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge state of ``n`` rows, float32: running max, denominator, unnormalized output."""
+    f = torch.float32
+    return (torch.full((n, nh), -math.inf, dtype=f, device=device), torch.zeros(n, nh, dtype=f, device=device),
+            torch.zeros(n, nh, d, dtype=f, device=device))
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x [nb * KV_BLOCK, nkv, d]`` as ``[nb, nkv, KV_BLOCK, d]``, contiguous: ``[j]`` is key
+    block ``j`` as the flash kernel takes it."""
+    return x.view(-1, KV_BLOCK, *x.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _merge(m: torch.Tensor, den: torch.Tensor, acc: torch.Tensor, rows: slice | torch.Tensor, o: torch.Tensor,
+           lse: torch.Tensor) -> None:
+    """Add a part ``o [r, nh, d]`` (normalized) with log-sum-exp ``lse [r, nh]`` to ``rows`` of the
+    running state (max ``m``, denominator ``den``, unnormalized ``acc``), in place."""
+    mr = m[rows]
     m_new = torch.maximum(mr, lse)
     a, b = (mr - m_new).exp_(), (lse - m_new).exp_()
-    ar.mul_(a[..., None]).add_(o * b[..., None])
-    dr.mul_(a).add_(b)
-    mr.copy_(m_new)
+    acc[rows] = acc[rows].mul_(a[..., None]).add_(o * b[..., None])
+    den[rows] = den[rows].mul_(a).add_(b)
+    m[rows] = m_new
 
 
 def _own_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,29 +191,35 @@ def _own_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, nkv
     heads of a KV head) against the block's :data:`KV_BLOCK` keys, zero-padded, keys past a row masked."""
     n, nh, d = q.shape
     g = nh // nkv
-    o_all, lse_all = q.new_empty(n, nh, d), q.new_empty(n, nh)
+    o_all, lse_all = q.new_empty(n, nh, d, dtype=torch.float32), q.new_empty(n, nh, dtype=torch.float32)
     pos = torch.arange(pos0, pos0 + n, device=q.device)
     blocks = pos // KV_BLOCK
-    key_pos = torch.arange(KV_BLOCK, device=q.device)
     for j in torch.unique(blocks).tolist():
         rows = (blocks == j).nonzero().flatten()
         r, r_pad = rows.numel(), -(-rows.numel() // QUERY_TILE) * QUERY_TILE
-        qt = q.new_zeros(r_pad, nkv, g, d)
+        qt = q.new_zeros(r_pad, nkv, g, d, dtype=torch.float32)
         qt[:r] = q[rows].view(r, nkv, g, d)
         qt = qt.transpose(0, 1).reshape(nkv, r_pad // QUERY_TILE, QUERY_TILE * g, d)
-        kb, vb = k.new_zeros(KV_BLOCK, nkv, d), v.new_zeros(KV_BLOCK, nkv, d)
+        kb, vb = k.new_zeros(KV_BLOCK, nkv, d, dtype=torch.float32), v.new_zeros(KV_BLOCK, nkv, d, dtype=torch.float32)
         end = min((j + 1) * KV_BLOCK, k.shape[0])
         kb[:end - j * KV_BLOCK], vb[:end - j * KV_BLOCK] = k[j * KV_BLOCK:end], v[j * KV_BLOCK:end]
-        s = torch.matmul(qt, kb.permute(1, 2, 0)[:, None]).mul_(1.0 / math.sqrt(d))  # [nkv, tiles, Tq*g, B]
         row_pos = torch.full((r_pad,), int(pos[rows[-1]]), device=q.device)
         row_pos[:r] = pos[rows]
         row_pos = row_pos.view(-1, QUERY_TILE).repeat_interleave(g, 1)[None, :, :, None]
-        s.masked_fill_(key_pos + j * KV_BLOCK > row_pos, -math.inf)
-        mx = s.amax(-1)
-        p = (s - mx[..., None]).exp_()
-        den = p.sum(-1)
-        o = torch.matmul(p, vb.transpose(0, 1)[:, None]).div_(den[..., None])  # [nkv, tiles, Tq*g, d]
-        lse = mx + den.log()
+        o, lse = _tile_attend(qt, kb.permute(1, 2, 0)[:, None], vb.transpose(0, 1)[:, None], row_pos, j * KV_BLOCK)
         o_all[rows] = o.view(nkv, r_pad, g, d)[:, :r].transpose(0, 1).reshape(r, nh, d)
         lse_all[rows] = lse.view(nkv, r_pad, g)[:, :r].transpose(0, 1).reshape(r, nh)
     return o_all, lse_all
+
+
+def _tile_attend(qt: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, row_pos: torch.Tensor,
+                 key_start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query tiles ``qt [..., QUERY_TILE * g, d]`` against one key block ``kb [..., d, KV_BLOCK]``,
+    ``vb [..., KV_BLOCK, d]`` whose first key is at ``key_start``; keys past a row's position
+    (``row_pos``, broadcast to ``[..., QUERY_TILE * g, 1]``) masked. ``(o, lse)``, ``o`` normalized."""
+    s = torch.matmul(qt, kb).mul_(1.0 / math.sqrt(qt.shape[-1]))  # [..., Tq*g, KV_BLOCK]
+    s.masked_fill_(torch.arange(KV_BLOCK, device=qt.device) + key_start > row_pos, -math.inf)
+    mx = s.amax(-1)
+    p = (s - mx[..., None]).exp_()
+    den = p.sum(-1)
+    return torch.matmul(p, vb).div_(den[..., None]), mx + den.log()
