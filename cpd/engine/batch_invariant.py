@@ -15,16 +15,17 @@ This mode computes every row with calls whose shapes do not depend on the batch:
 
 - linears run on tiles of exactly :data:`TILE_ROWS` rows (the last tile zero-padded), so every
   call has the same ``M`` and a row's result depends on that row alone;
-- attention runs in float32 over key blocks of :data:`KV_BLOCK` positions counted from position
-  0. A row at position ``t`` sees the blocks before its own whole, through torch's CPU flash kernel
-  called once per block with exactly :data:`KV_BLOCK` keys (with the key length fixed its result
-  for a row does not depend on the other query rows of the call: checked by the tests), and its
-  own block up to ``t`` on tiles of :data:`QUERY_TILE` rows with the keys past ``t`` masked. The
-  parts are merged by their log-sum-exps in block order. Which parts a row has, and how each is
+- attention runs over key blocks of :data:`KV_BLOCK` positions counted from position 0. A row at
+  position ``t`` sees the blocks before its own whole, through torch's CPU flash kernel in the model
+  dtype, called once per block with exactly :data:`KV_BLOCK` keys (with the key length fixed its
+  result for a row does not depend on the other query rows, nor on the other sequences of the
+  batch: checked by the tests), and its own block up to ``t`` in float32 on tiles of
+  :data:`QUERY_TILE` rows with the keys past ``t`` masked. The parts are merged in float32 by their
+  log-sum-exps in block order. Which parts a row has, and how each is
   computed, depends on ``t`` alone: so its output does not depend on the chunk, the batch or
   the path (prefill, decode, decode-local append, a handoff's imported prefix).
 
-Its price is compute (padded tiles, float32 attention, more and smaller calls):
+Its price is compute (padded tiles, more and smaller calls, a gather of each context):
 ``docs/results/batch_invariant`` measures it. vLLM's batch-invariant mode and SGLang's
 deterministic inference do the same with GPU kernels of their own; here it is built from torch's
 CPU kernels with the shapes fixed (a CUDA device is not supported: the flash call is the CPU one).
