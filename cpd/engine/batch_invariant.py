@@ -151,7 +151,9 @@ def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     batch = torch.arange(S, device=q.device)[:, None]
     qt = q.new_zeros(S, nkv, QUERY_TILE * g, d, dtype=torch.float32)
     qt[:, :, :g] = qf  # the row first in its tile, as a lone row is in _own_block
-    kb, vb = k[batch, own].float(), v[batch, own].float()  # [S, KV_BLOCK, nkv, d]
+    past = (own >= lens[:, None])[..., None, None]  # padding (slot 0's stale KV): zeros, as in _own_block
+    kb = k[batch, own].float().masked_fill_(past, 0.0)  # [S, KV_BLOCK, nkv, d]
+    vb = v[batch, own].float().masked_fill_(past, 0.0)
     o, lse = _tile_attend(qt, kb.permute(0, 2, 3, 1), vb.transpose(1, 2),
                           (lens - 1)[:, None, None, None], (full * KV_BLOCK)[:, None, None, None])
     _merge(m, den, acc, slice(0, S), o[:, :, :g].reshape(S, nh, d), lse[:, :, :g].reshape(S, nh))

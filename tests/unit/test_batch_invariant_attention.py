@@ -63,3 +63,17 @@ def test_attention_in_bf16_is_within_bf16_rounding_of_the_float32_result():
     assert out.dtype == torch.bfloat16
     ref = _reference(qb.float(), kb.float(), vb.float())
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_rows_never_read_the_padding_slot():
+    """Decode rows of several sequences are gathered into one padded batch; the padding reads
+    slot 0 of the pool, whose stale content (here NaN) must not reach any row."""
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(1000, NKV, D, generator=g), torch.randn(1000, NKV, D, generator=g)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")
+    q = torch.randn(2, NH, D, generator=g)
+    seqs = [(0, 1, torch.arange(1, 101)), (1, 1, torch.arange(200, 530))]
+    out = bi.attend(q, k_cache, v_cache, seqs, NKV)
+    for qs, n, ctx in seqs:
+        torch.testing.assert_close(out[qs:qs + n], _reference(q[qs:qs + n], k_cache[ctx], v_cache[ctx]),
+                                   rtol=1e-5, atol=1e-5)
