@@ -1,0 +1,82 @@
+"""``--batch-invariant`` live on paths the first live test (``test_batch_invariant_live.py``, cpd,
+shm handoff) does not take: ``pd`` topology with the handoff forced over TCP, L3 write-through to
+a real Redis, a step budget of 40 tokens, prompts at the attention's key-block edges (127 / 128 /
+129 / 255 / 257 tokens, one token), warm follow-ups whose cached prefix (the prefill worker's L1)
+ends inside a key block, and sampling that is not plain greedy (seeded temperature sampling,
+penalties). Every answer must be the tokens of one batch-invariant bfloat16 engine running the
+prompt alone, with the same sampling. With the mode off (workers and oracle) 1 of the 22 answers
+differed (a warm 257-token prompt, greedy, at its 5th token)."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from cpd.engine.engine import Engine
+from cpd.engine.sampling import SamplingParams
+from deploy_util import assert_no_leaks, complete, random_prompt, routing_record, start
+
+MAX_TOKENS = 24
+SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77},
+             "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3}}
+
+
+@pytest.fixture(scope="module")
+def pd_dep(tiny_model_dir, module_redis):
+    dep = start(tiny_model_dir, "pd", kv_store=module_redis.url, handoff_force_tcp=True, max_num_batched_tokens=40,
+                settings={"engine.dtype": "bfloat16", "engine.batch_invariant": True})
+    yield dep
+    dep.stop()
+
+
+def _oracle(model_dir: str, prompt: list[int], extra: dict) -> list[int]:
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=extra.get("temperature", 0.0), ignore_eos=True,
+                        **{k: v for k, v in extra.items() if k != "temperature"})
+    import torch
+    return Engine(model_dir, num_blocks=64, dtype=torch.bfloat16, batch_invariant=True).generate(prompt, sp)
+
+
+def _storm(dep, prompts: dict[str, tuple[list[int], dict]], cached: dict[str, int]) -> dict[str, list[int] | str]:
+    """Send every prompt at once; their tokens (or the error). ``cached``: filled with each answer's
+    cached prompt tokens."""
+    out: dict[str, list[int] | str] = {}
+
+    def run(key: str) -> None:
+        prompt, extra = prompts[key]
+        try:
+            r = complete(dep, prompt, MAX_TOKENS, **extra)
+            rec = routing_record(dep, r["id"])
+            assert rec["decode_worker"] and rec["decode_worker"] != rec["prefill_worker"], rec  # a handoff
+            cached[key] = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            out[key] = r["choices"][0]["token_ids"]
+        except (AssertionError, httpx.HTTPError) as e:
+            out[key] = repr(e)[:300]
+    threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+def test_pd_tcp_handoff_l3_edges_and_sampling_get_the_lone_oracle_tokens(pd_dep):
+    lengths = (1, 127, 128, 129, 255, 257)
+    cold = {f"c{n}-{s}": (random_prompt(6000 + n, n), SAMPLINGS[s])
+            for n in lengths for s in ("greedy", "seeded", "penalties") if n != 1 or s == "greedy"}
+    cold = {k: (p if k.endswith("greedy") else p[:-1] + [p[-1] + 1], x) for k, (p, x) in cold.items()}  # distinct prompts
+    cached: dict[str, int] = {}
+    got = _storm(pd_dep, cold, cached)
+    warm = {f"w{n}-{s}": (random_prompt(6000 + n, n)[:n - 5] + random_prompt(7000 + n + 500 * i, 30), SAMPLINGS[s])
+            for n in (129, 255, 257) for i, s in enumerate(("greedy", "seeded"))}
+    got.update(_storm(pd_dep, warm, cached))
+    # the warm prompts reuse the cold ones' full blocks: a prefix that ends inside a 128-key block
+    assert {k: cached.get(k) for k in warm} == {k: (int(k[1:4]) - 5) // 16 * 16 for k in warm}, cached
+    wrong = {}
+    for k, (p, extra) in {**cold, **warm}.items():
+        want = _oracle(pd_dep.model_dir, p, extra)
+        if got.get(k) != want:
+            v = got.get(k)
+            wrong[k] = v if not isinstance(v, list) else next((i for i, (a, b) in enumerate(zip(v, want)) if a != b), len(v))
+    assert not wrong, f"answers off the oracle (first differing index or error): {wrong}"
+    assert_no_leaks(pd_dep)
