@@ -8,10 +8,13 @@ prompt alone, with the same sampling. With the mode off (workers and oracle) 1 o
 differed (a warm 257-token prompt, greedy, at its 5th token)."""
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import httpx
 import pytest
+import torch
 
 from cpd.engine.engine import Engine
 from cpd.engine.sampling import SamplingParams
@@ -30,10 +33,9 @@ def pd_dep(tiny_model_dir, module_redis):
     dep.stop()
 
 
-def _oracle(model_dir: str, prompt: list[int], extra: dict) -> list[int]:
-    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=extra.get("temperature", 0.0), ignore_eos=True,
+def _oracle(model_dir: str, prompt: list[int], extra: dict, max_tokens: int = MAX_TOKENS) -> list[int]:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=extra.get("temperature", 0.0), ignore_eos=True,
                         **{k: v for k, v in extra.items() if k != "temperature"})
-    import torch
     return Engine(model_dir, num_blocks=64, dtype=torch.bfloat16, batch_invariant=True).generate(prompt, sp)
 
 
@@ -80,3 +82,53 @@ def test_pd_tcp_handoff_l3_edges_and_sampling_get_the_lone_oracle_tokens(pd_dep)
             wrong[k] = v if not isinstance(v, list) else next((i for i, (a, b) in enumerate(zip(v, want)) if a != b), len(v))
     assert not wrong, f"answers off the oracle (first differing index or error): {wrong}"
     assert_no_leaks(pd_dep)
+
+
+@pytest.fixture
+def migrate_dep(tiny_model_dir):
+    dep = start(tiny_model_dir, "pd", num_prefill=1, num_decode=2, max_num_batched_tokens=40,
+                settings={"engine.dtype": "bfloat16", "engine.batch_invariant": True},
+                extra_env={"CPD_DISPATCH_TIMEOUTS": json.dumps({"max_decode_migrations": 2, "decode_idle_s": 3.0})})
+    yield dep
+    dep.stop()
+
+
+def _stream_text(dep, prompt: list[int], max_tokens: int, out: dict) -> None:
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    out["chunks"], out["finish"], out["error"] = [], None, None
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out["error"] = msg["error"]
+                continue
+            out.setdefault("id", msg["id"])
+            out["chunks"].append(msg["choices"][0].get("text") or "")
+            out["finish"] = msg["choices"][0].get("finish_reason") or out["finish"]
+
+
+def test_decode_migrated_mid_stream_ends_on_the_oracle_tokens(migrate_dep):
+    """The decode worker SIGKILLed after 10 streamed tokens: the prompt and the tokens so far are
+    re-prefilled (in 40-token steps) and decoding goes on on the other decode worker; the stream
+    ends with the text of the uninterrupted answer, whose tokens are the lone oracle's."""
+    dep = migrate_dep
+    prompt, max_tokens = random_prompt(6500, 257), 300
+    out: dict = {}
+    t = threading.Thread(target=_stream_text, args=(dep, prompt, max_tokens, out), daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    while len(out.get("chunks", [])) < 10 and time.time() < deadline:
+        time.sleep(0.005)
+    first = routing_record(dep, out["id"])["decode_worker"]
+    dep.kill_worker(first)
+    t.join(120)
+    assert not t.is_alive() and out["error"] is None and out["finish"] == "length", (out["error"], out["finish"])
+    rec = routing_record(dep, out["id"])
+    assert rec["decode_worker"] != first and len(rec["decode_failures"]) == 1, rec
+    whole = complete(dep, prompt, max_tokens)["choices"][0]
+    assert whole["token_ids"] == _oracle(dep.model_dir, prompt, {}, max_tokens)
+    assert "".join(out["chunks"]) == whole["text"]
+    assert_no_leaks(dep)
