@@ -13,8 +13,9 @@ prompts, 60 tokens out; ``tests/integration/test_batch_invariance.py``).
 
 This mode computes every row with calls whose shapes do not depend on the batch:
 
-- linears run on tiles of exactly :data:`TILE_ROWS` rows (the last tile zero-padded), so every
-  call has the same ``M`` and a row's result depends on that row alone;
+- linears run on tiles of exactly :data:`TILE_ROWS` rows (the last tile zero-padded), each on one
+  thread, so every call has the same ``M`` and the same split of its sums, and a row's result
+  depends on that row alone;
 - attention runs over key blocks of :data:`KV_BLOCK` positions counted from position 0. A row at
   position ``t`` sees the blocks before its own whole, through torch's CPU flash kernel in the model
   dtype, called once per block with exactly :data:`KV_BLOCK` keys (with the key length fixed its
@@ -34,8 +35,9 @@ Its KV is a numeric flavour of its own (the ``kv_dtype`` namespace part gets
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -52,14 +54,33 @@ Linear = Callable[..., torch.Tensor]
 
 
 def tiled_linear(big: Linear) -> Linear:
-    """``big(x, w, b)`` computed on tiles of :data:`TILE_ROWS` rows of ``x``."""
+    """``big(x, w, b)`` computed on tiles of :data:`TILE_ROWS` rows of ``x``, each on one thread: with
+    several threads a BLAS splits the sum over ``K`` among them when a tile's ``M × N`` is small
+    beside ``K`` (MKL's sgemm, oneDNN's bf16 gemm), so the bits depended on the thread count
+    (SmolLM2-135M's float32 KV differed from layer 1 on between 1 and 2 threads)."""
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         pad = (-m) % TILE_ROWS
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        return torch.cat([big(x[i:i + TILE_ROWS], w, b) for i in range(0, x.shape[0], TILE_ROWS)])[:m]
+        with _one_thread():
+            return torch.cat([big(x[i:i + TILE_ROWS], w, b) for i in range(0, x.shape[0], TILE_ROWS)])[:m]
     return linear
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to 1 for the block (the setting is per process; the engine
+    thread is the one that runs model math)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -6,8 +6,8 @@ oracle of docs/architecture.md, and ends with the block pools back at their base
 - prompts at and around the attention's key blocks (128) and the linears' row tiles (64), one-token
   prompts, prompts longer than the prefill chunk, chunk sizes 1 / 3 / 17 / 63 / 64 / 65;
 - step budgets of 1, 3 and 17 tokens shared by many requests; 1, 2 and 4 torch threads (the tiny
-  model's linears have K <= 128 and pass; with K = 1536 or 4096 the linears depend on the thread
-  count: xfail(strict) below, a real failure of the mode);
+  model's linears have K <= 128; with K = 1536 or 4096 the linears depended on the thread count
+  until each tile ran on one thread: the tests at the end);
 - preemption by recompute (``swap_space_bytes=0``) and by swap;
 - prefix hits at lengths that are not multiples of the key block: L1, L2 (``host_kv_bytes``
   eviction and promotion), L3 in a real Redis; a decode-local append; a handoff
@@ -314,13 +314,11 @@ def test_openblas_linears_fp32(tiny_model_dir, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- torch thread count
-THREADS_REASON = ("batch-invariant linears depend on the torch thread count: MKL's sgemm / oneDNN's bf16 gemm split "
-                  "the reduction (K) over threads when a 64-row tile's M x N is small beside K (K 4096 / N 64; "
-                  "SmolLM2's down_proj K 1536 / N 576 at 2 threads), so the summation order changes with "
-                  "torch.set_num_threads; found by helper-63, fix in cpd/engine/batch_invariant.py (lead)")
+# MKL's sgemm / oneDNN's bf16 gemm split the reduction (K) over threads when a 64-row tile's M x N is small
+# beside K (K 4096 / N 64; SmolLM2's down_proj K 1536 / N 576 at 2 threads): found by helper-63 (strict
+# xfail, e9903c6); the tiles now run on one thread each (cpd.engine.batch_invariant.tiled_linear).
 
 
-@pytest.mark.xfail(strict=True, reason=THREADS_REASON)
 @pytest.mark.parametrize("dtype,k,n", [(torch.float32, 4096, 64), (torch.float32, 1536, 576), (BF16, 4096, 64)],
                          ids=["fp32-4096x64", "fp32-1536x576", "bf16-4096x64"])
 def test_tiled_linear_does_not_depend_on_the_thread_count(dtype, k, n, monkeypatch):
@@ -339,7 +337,6 @@ def test_tiled_linear_does_not_depend_on_the_thread_count(dtype, k, n, monkeypat
     assert torch.equal(out[1], out[2])
 
 
-@pytest.mark.xfail(strict=True, reason=THREADS_REASON)
 def test_prompt_kv_does_not_depend_on_the_thread_count(tiny_model_dir, tmp_path, monkeypatch):
     """A worker runs ``engine.torch_threads`` (cores / workers under ``cpd serve``, torch's default
     for a lone ``cpd worker``: a host's core count), the oracle the test process's threads: a model
