@@ -11,13 +11,12 @@ the greedy tokens of one batch-invariant engine running the prompt alone:
 """
 from __future__ import annotations
 
-import threading
 import time
 
-import httpx
 import pytest
 
-from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
+from deploy_util import (assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record,
+                         staggered_requests, start)
 
 MAX_TOKENS = 60
 
@@ -43,20 +42,11 @@ def _oracle(dep, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
 
 
 def _storm(dep, prompts: dict[str, list[int]]) -> dict[str, list[int] | str]:
-    out: dict[str, list[int] | str] = {}
-
-    def run(key: str) -> None:
-        try:
-            r = complete(dep, prompts[key], MAX_TOKENS)
-            out[key] = r["choices"][0]["token_ids"]
-        except (AssertionError, httpx.HTTPError) as e:
-            out[key] = repr(e)[:300]
-    threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
+    """Every prompt at once; ``{key: tokens or the error's text}``."""
+    keys = list(prompts)
+    done = staggered_requests(lambda p: complete(dep, p, MAX_TOKENS)["choices"][0]["token_ids"],
+                              [prompts[k] for k in keys], stagger_s=0.0, join_s=300.0)
+    return {keys[i]: tokens for i, (_, tokens) in done.items()}
 
 
 def test_concurrent_cold_and_warm_requests_get_the_lone_oracle_tokens(inv_dep):
