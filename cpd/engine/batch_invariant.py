@@ -112,7 +112,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> torch.Tensor:
     """One sequence: ``q [n, nh, d]`` at positions ``L - n .. L - 1`` over ``k, v [L, nkv, d]``
-    (float32) → ``[n, nh * d]``.
+    (the model dtype) → ``[n, nh * d]`` float32.
 
     A row at position ``t`` attends over the key blocks ``0 .. t // KV_BLOCK - 1`` whole (torch's
     CPU flash kernel, one call per block over every row that sees all of it: with the key length
@@ -140,7 +140,7 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> 
 def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         ctxs: list[torch.Tensor], nkv: int) -> torch.Tensor:
     """Rows that are their sequence's only new token (decode rows), all sequences at once:
-    ``q [S, nh, d]`` (float32) at the last position of each context → ``[S, nh * d]``. The same
+    ``q [S, nh, d]`` (the model dtype) at the last position of each context → ``[S, nh * d]`` float32. The same
     parts as :func:`_attend_seq` computes for a row, by calls of the same shapes with the
     sequences as the batch dimension (one call per block index instead of one per sequence)."""
     S, nh, d = q.shape
