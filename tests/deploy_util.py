@@ -1,10 +1,11 @@
 """Helpers for tests that run whole deployments (real processes, real HTTP)."""
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
 
 import httpx
 import numpy as np
@@ -81,6 +82,26 @@ def complete(dep: Deployment, prompt_ids: list[int], max_tokens: int = 12, **ext
     return r.json()
 
 
+def stream_completion(dep: Deployment, prompt: list[int], max_tokens: int, out: dict) -> None:
+    """Stream a greedy completion; ``out``: ``id``, ``chunks`` (text per event), ``finish``, ``error``
+    (filled as events arrive, so another thread can watch the stream's progress)."""
+    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    out["chunks"], out["finish"], out["error"] = [], None, None
+    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out["error"] = msg["error"]
+                continue
+            out.setdefault("id", msg["id"])
+            choice = msg["choices"][0]
+            out["chunks"].append(choice.get("text") or "")
+            out["finish"] = choice.get("finish_reason") or out["finish"]
+
+
 def routing_record(dep: Deployment, request_id: str) -> dict:
     return httpx.get(f"{dep.url}/cpd/requests", timeout=5).json()[request_id]
 
@@ -139,12 +160,15 @@ def busy_worker(dep: Deployment, role: str, timeout_s: float = 20.0) -> str:
     raise AssertionError(f"no {role} worker got the request")
 
 
-def staggered_requests(send: Callable[[list[int]], list[int]], prompts: list[list[int]], stagger_s: float = 0.05,
+Item = TypeVar("Item")
+
+
+def staggered_requests(send: Callable[[Item], list[int]], prompts: Sequence[Item], stagger_s: float = 0.05,
                        join_s: float = 180.0) -> dict[int, tuple[float, list[int] | str]]:
     """Keep a worker busy: ``send(prompt)`` (returns the tokens) for every prompt at once, one thread
     each, started ``stagger_s`` apart in order (long prompts first queue the short ones behind them).
     Returns ``{index: (seconds, tokens or the error's text)}``; a request still running after
-    ``join_s`` is missing from it."""
+    ``join_s`` is missing from it. A prompt is whatever ``send`` takes (token ids, or a key)."""
     results: dict[int, tuple[float, list[int] | str]] = {}
 
     def run(i: int) -> None:

@@ -12,13 +12,13 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
 from cpd.engine.engine import Engine
 from cpd.engine.sampling import SamplingParams
-from deploy_util import assert_no_leaks, complete, random_prompt, routing_record, start
+from deploy_util import (assert_no_leaks, complete, random_prompt, routing_record, staggered_requests, start,
+                         stream_completion)
 
 MAX_TOKENS = 24
 SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 77},
@@ -40,26 +40,19 @@ def _oracle(model_dir: str, prompt: list[int], extra: dict, max_tokens: int = MA
 
 
 def _storm(dep, prompts: dict[str, tuple[list[int], dict]], cached: dict[str, int]) -> dict[str, list[int] | str]:
-    """Send every prompt at once; their tokens (or the error). ``cached``: filled with each answer's
-    cached prompt tokens."""
-    out: dict[str, list[int] | str] = {}
+    """Send every prompt at once; their tokens (or the error's text). ``cached``: filled with each
+    answer's cached prompt tokens."""
+    keys = list(prompts)
 
-    def run(key: str) -> None:
-        prompt, extra = prompts[key]
-        try:
-            r = complete(dep, prompt, MAX_TOKENS, **extra)
-            rec = routing_record(dep, r["id"])
-            assert rec["decode_worker"] and rec["decode_worker"] != rec["prefill_worker"], rec  # a handoff
-            cached[key] = r["usage"]["prompt_tokens_details"]["cached_tokens"]
-            out[key] = r["choices"][0]["token_ids"]
-        except (AssertionError, httpx.HTTPError) as e:
-            out[key] = repr(e)[:300]
-    threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
+    def send(i: int) -> list[int]:
+        prompt, extra = prompts[keys[i]]
+        r = complete(dep, prompt, MAX_TOKENS, **extra)
+        rec = routing_record(dep, r["id"])
+        assert rec["decode_worker"] and rec["decode_worker"] != rec["prefill_worker"], rec  # a handoff
+        cached[keys[i]] = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return r["choices"][0]["token_ids"]
+    done = staggered_requests(send, list(range(len(keys))), stagger_s=0.0, join_s=300.0)
+    return {keys[i]: tokens for i, (_, tokens) in done.items()}
 
 
 def test_pd_tcp_handoff_l3_edges_and_sampling_get_the_lone_oracle_tokens(pd_dep):
@@ -93,23 +86,6 @@ def migrate_dep(tiny_model_dir):
     dep.stop()
 
 
-def _stream_text(dep, prompt: list[int], max_tokens: int, out: dict) -> None:
-    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    out["chunks"], out["finish"], out["error"] = [], None, None
-    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                out["error"] = msg["error"]
-                continue
-            out.setdefault("id", msg["id"])
-            out["chunks"].append(msg["choices"][0].get("text") or "")
-            out["finish"] = msg["choices"][0].get("finish_reason") or out["finish"]
-
-
 def test_decode_migrated_mid_stream_ends_on_the_oracle_tokens(migrate_dep):
     """The decode worker SIGKILLed after 10 streamed tokens: the prompt and the tokens so far are
     re-prefilled (in 40-token steps) and decoding goes on on the other decode worker; the stream
@@ -117,7 +93,7 @@ def test_decode_migrated_mid_stream_ends_on_the_oracle_tokens(migrate_dep):
     dep = migrate_dep
     prompt, max_tokens = random_prompt(6500, 257), 300
     out: dict = {}
-    t = threading.Thread(target=_stream_text, args=(dep, prompt, max_tokens, out), daemon=True)
+    t = threading.Thread(target=stream_completion, args=(dep, prompt, max_tokens, out), daemon=True)
     t.start()
     deadline = time.time() + 60
     while len(out.get("chunks", [])) < 10 and time.time() < deadline:

@@ -28,7 +28,7 @@ import pytest
 from cpd.engine.engine import Engine, SamplingParams
 from cpd.engine.executor_modeled import build_modeled_executor
 from cpd.engine.faults import BREAK_ENV, BREAK_S_ENV, WORKER_ENV
-from deploy_util import assert_no_leaks, busy_worker, random_prompt, routing_record, signal_pid, start
+from deploy_util import assert_no_leaks, busy_worker, random_prompt, routing_record, signal_pid, start, stream_completion
 
 SHAPE, GPU = "llama-3.1-8b", "b200"
 BREAK_SEED, BREAK_S = 4747, 4.0
@@ -155,32 +155,13 @@ def dep_migrate(tiny_model_dir):
     d.stop()
 
 
-def _stream(dep, prompt: list[int], max_tokens: int, out: dict) -> None:
-    """Stream a completion; ``out``: ``id``, ``chunks`` (text per event), ``finish``, ``error``."""
-    body = {"model": dep.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    out["chunks"], out["finish"], out["error"] = [], None, None
-    with httpx.stream("POST", f"{dep.url}/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                out["error"] = msg["error"]
-                continue
-            out.setdefault("id", msg["id"])
-            choice = msg["choices"][0]
-            out["chunks"].append(choice.get("text") or "")
-            out["finish"] = choice.get("finish_reason") or out["finish"]
-
-
 def test_a_decode_whose_worker_dies_or_stops_mid_stream_is_migrated_and_ends_exact(dep_migrate, tiny_model_dir):
     """SIGKILL of the decode worker after 10 streamed tokens, then SIGSTOP of the one it moved to
     after 40: the stream moves twice and ends with the uninterrupted run's 120 tokens."""
     dep = dep_migrate
     prompt, max_tokens = random_prompt(3500, 300), 120
     out: dict = {}
-    t = threading.Thread(target=_stream, args=(dep, prompt, max_tokens, out), daemon=True)
+    t = threading.Thread(target=stream_completion, args=(dep, prompt, max_tokens, out), daemon=True)
     t.start()
     _wait_for(lambda: len(out.get("chunks", [])) >= 10, 30, "tokens to flow")
     first = routing_record(dep, out["id"])["decode_worker"]
@@ -227,7 +208,7 @@ def test_a_decode_local_append_whose_worker_dies_mid_stream_is_migrated_and_ends
     busy.start()  # p0 queued: the append on the holder finishes first
     busy_worker(dep, "prefill")
     out: dict = {}
-    t = threading.Thread(target=_stream, args=(dep, turn2, max_tokens, out), daemon=True)
+    t = threading.Thread(target=stream_completion, args=(dep, turn2, max_tokens, out), daemon=True)
     t.start()
     _wait_for(lambda: len(out.get("chunks", [])) >= 10, 30, "tokens to flow")
     rec = routing_record(dep, out["id"])
