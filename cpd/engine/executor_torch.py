@@ -52,7 +52,8 @@ class TorchExecutor:
         # the KV's numeric flavour is a namespace part: batch-invariant KV is never mixed with other KV
         self.kv_dtype = str(self.dtype).replace("torch.", "") + (KV_DTYPE_SUFFIX if batch_invariant else "")
         self._gen = torch.Generator().manual_seed(seed)
-        self.seq_kv = SeqKVArena(self.dtype, self.device, seq_kv_bytes)
+        # batch-invariant attention reads the pool's blocks, never the contiguous rows: no arena to keep
+        self.seq_kv = SeqKVArena(self.dtype, self.device, 0 if batch_invariant else seq_kv_bytes)
 
     def payload_bytes(self, model_bytes: int) -> int:
         return int(model_bytes)
