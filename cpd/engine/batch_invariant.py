@@ -157,8 +157,7 @@ def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     full = (lens - 1) // KV_BLOCK  # whole blocks before each row's own
     m, den, acc = _state(S, nh, d, q.device)
     nb = int(full.max())
-    kh = k[:, :nb * KV_BLOCK].view(S, nb, KV_BLOCK, nkv, d).permute(1, 0, 3, 2, 4).contiguous()
-    vh = v[:, :nb * KV_BLOCK].view(S, nb, KV_BLOCK, nkv, d).permute(1, 0, 3, 2, 4).contiguous()
+    kh, vh = _blocks(k[:, :nb * KV_BLOCK]), _blocks(v[:, :nb * KV_BLOCK])
     for j in range(nb):  # kh[j]: [S, nkv, KV_BLOCK, d]
         rows = (full > j).nonzero().flatten()
         if rows.numel() == S:
@@ -192,9 +191,11 @@ def _state(n: int, nh: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x [nb * KV_BLOCK, nkv, d]`` as ``[nb, nkv, KV_BLOCK, d]``, contiguous: ``[j]`` is key
-    block ``j`` as the flash kernel takes it."""
-    return x.view(-1, KV_BLOCK, *x.shape[1:]).transpose(1, 2).contiguous()
+    """``x [..., nb * KV_BLOCK, nkv, d]`` as ``[nb, ..., nkv, KV_BLOCK, d]``, contiguous: ``[j]`` is
+    key block ``j`` (of every leading entry) as the flash kernel takes it."""
+    *lead, n, h, d = x.shape
+    y = x.reshape(*lead, n // KV_BLOCK, KV_BLOCK, h, d).transpose(-3, -2)
+    return y.movedim(len(lead), 0).contiguous()
 
 
 def _merge(m: torch.Tensor, den: torch.Tensor, acc: torch.Tensor, rows: slice | torch.Tensor, o: torch.Tensor,
