@@ -1,7 +1,8 @@
 """Price of the batch-invariant mode (:mod:`cpd.engine.batch_invariant`) on the real SmolLM2-135M:
 the ordinary engine and the batch-invariant one, same dtype, same threads, side by side in one
 process, repetitions interleaved (ordinary, invariant, ordinary, ...) so load on a shared machine
-hits both alike. Whole engine steps (:meth:`cpd.engine.engine.Engine.step`).
+hits both alike. Whole engine steps, timed by ``bench_engine.CpdSide`` (512-token step budget and
+prefill chunk, the engine's defaults).
 
 - prefill: one sequence of LEN tokens (chunked as the engine's defaults chunk it), tokens/s;
 - decode: B sequences at context C, ms per step (one token each).
@@ -19,44 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
+from bench_engine import CpdSide
 from cpd.engine.dtype import resolve_dtype
-from cpd.engine.engine import Engine, EngineRequest
-from cpd.engine.sampling import SamplingParams
 from cpd.engine.weights import default_model_dir
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+CHUNK_TOKENS = 512  # the engine's default step budget and prefill chunk
 
 
-def _engine(dtype, invariant: bool, num_tokens: int) -> Engine:
-    return Engine(default_model_dir(), num_blocks=num_tokens // 16 + 64, dtype=dtype, batch_invariant=invariant)
+def _sides(dtype, num_tokens: int, max_seqs: int) -> dict[bool, CpdSide]:
+    return {inv: CpdSide(default_model_dir(), dtype, num_tokens, max_seqs, CHUNK_TOKENS, batch_invariant=inv)
+            for inv in (False, True)}
 
 
-def _timed(fn) -> tuple[float, float]:
-    w, c = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w, time.process_time() - c
-
-
-def prefill(engine: Engine, n: int, rep: int) -> tuple[float, float]:
-    prompt = [(7 * i + 13 * rep) % 30000 + 10 for i in range(n)]
-    return _timed(lambda: engine.generate(prompt, SamplingParams(max_tokens=1, **GREEDY)))
-
-
-def decode(engine: Engine, b: int, c: int, steps: int, rep: int) -> tuple[float, float]:
-    """ms per decode step of ``b`` sequences at context ``c`` (prefilled first, not timed)."""
-    for i in range(b):
-        prompt = [(7 * t + 13 * rep + 101 * i) % 30000 + 10 for t in range(c)]
-        engine.add_request(EngineRequest(f"d{rep}-{i}", prompt, SamplingParams(max_tokens=steps + 2, **GREEDY)))
-    while any(r.num_computed < r.prompt_len for r in [*engine._waiting, *engine._running]) or engine._inbox:
-        engine.step()
-    w, cpu = _timed(lambda: [engine.step() for _ in range(steps)])
-    while engine.has_unfinished():
-        engine.step()
-    return w / steps, cpu / steps
+def _prompts(n: int, b: int, rep: int) -> list[list[int]]:
+    return [[(7 * t + 13 * rep + 101 * i) % 30000 + 10 for t in range(n)] for i in range(b)]
 
 
 def main() -> None:
@@ -73,22 +53,22 @@ def main() -> None:
     dtype = resolve_dtype(a.dtype)
     lens = [int(x) for x in a.prefill.split(",") if x]
     shapes = [tuple(int(v) for v in x.split("x")) for x in a.decode.split(",") if x]
-    biggest = max(lens + [b * (c + a.steps + 4) for b, c in shapes])
-    engines = {inv: _engine(dtype, inv, biggest) for inv in (False, True)}
+    sides = _sides(dtype, max(lens + [b * (c + a.steps + 4) for b, c in shapes]), max([b for b, _ in shapes] + [1]))
     res: dict = {"settings": {"dtype": str(dtype), "threads": a.threads, "reps": a.reps, "steps": a.steps,
                               "model": str(default_model_dir())}, "prefill": {}, "decode": {}}
     for n in lens:
-        runs = {False: [], True: []}
+        runs: dict[bool, list] = {False: [], True: []}
         for r in range(a.reps):
             for inv in (False, True):
-                runs[inv].append(prefill(engines[inv], n, r))
+                runs[inv].append(sides[inv].prefill_s(_prompts(n, 1, r)))
         res["prefill"][str(n)] = _summary(runs, lambda t: n / t, "tok_s")
         print("prefill", n, res["prefill"][str(n)], flush=True)
     for b, c in shapes:
         runs = {False: [], True: []}
         for r in range(a.reps):
             for inv in (False, True):
-                runs[inv].append(decode(engines[inv], b, c, a.steps, r))
+                steps = sides[inv].decode_step_s(_prompts(c, b, r), a.steps)
+                runs[inv].append((sum(w for w, _ in steps) / a.steps, sum(t for _, t in steps) / a.steps))
         res["decode"][f"{b}x{c}"] = _summary(runs, lambda t: t * 1e3, "ms")
         print("decode", f"{b}x{c}", res["decode"][f"{b}x{c}"], flush=True)
     if a.json:

@@ -88,13 +88,14 @@ def _parse_point(s: str) -> tuple[int, int]:
 
 
 class CpdSide:
-    def __init__(self, model_dir, dtype, max_tokens: int, max_seqs: int, chunk_tokens: int | None = None):
+    def __init__(self, model_dir, dtype, max_tokens: int, max_seqs: int, chunk_tokens: int | None = None,
+                 batch_invariant: bool = False):
         bs = 16
         chunk = chunk_tokens or max_tokens
         sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_seqs,
                                 max_prefill_chunk_tokens=chunk, block_size=bs)
         self.engine = Engine(model_dir, num_blocks=max_tokens // bs + max_seqs * 4 + 8, block_size=bs,
-                             scheduler_config=sched, dtype=dtype)
+                             scheduler_config=sched, dtype=dtype, batch_invariant=batch_invariant)
         self.vocab = self.engine.vocab_size
 
     def set_rows(self, on: bool) -> None:
