@@ -409,10 +409,64 @@ class Deployment:
         return {w["worker_id"]: httpx.get(f"{w['url']}/load", timeout=5, auth=self.internal_client_auth()).json()["pool"]
                 for w in self.alive_workers()}
 
-    def reset_prefix_caches(self) -> None:
-        """Clear every worker's L1 and L2 (the L3 store is untouched)."""
+    def reset_prefix_caches(self, timeout_s: float = 10.0) -> None:
+        """Clear every worker's L1 and L2 (the L3 store is untouched) and return once the router's
+        prefix index holds no L1/L2 block. The index follows the workers' KV events
+        asynchronously, so without the wait a request routed right after the reset is planned on
+        blocks that are gone (the engine then falls back, but the plan is not what a caller of a
+        reset expects). For an idle deployment: blocks of requests in flight would be re-indexed."""
         for u in self.worker_urls():
             httpx.post(f"{u}/reset_prefix_cache", timeout=10, auth=self.internal_client_auth()).raise_for_status()
+        deadline = time.monotonic() + timeout_s
+        while (sizes := self.index_sizes())["L1"] or sizes["L2"]:
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"the router's index still holds L1/L2 blocks {timeout_s} s after "
+                                      f"a reset: {sizes}")
+            time.sleep(0.02)
+
+    def index_sizes(self) -> dict[str, int]:
+        """Blocks per tier in the router's prefix index (``GET /cpd/index``)."""
+        r = httpx.get(f"{self.url}/cpd/index", timeout=5, headers=self._client_headers())
+        r.raise_for_status()
+        return {k: int(v) for k, v in r.json().items() if k in ("L1", "L2", "L3")}
+
+    def index_match(self, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    api_key: str | None = None) -> dict:
+        """The router's view of where the prompt's leading blocks are (``POST /cpd/index/match``),
+        in the namespace of ``api_key``'s tenant (default: the first configured key's)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else self._client_headers()
+        r = httpx.post(f"{self.url}/cpd/index/match", timeout=10, headers=headers,
+                       json={"prompt_token_ids": list(prompt_token_ids), "cache_salt": cache_salt})
+        r.raise_for_status()
+        return r.json()
+
+    def wait_indexed(self, prompt_token_ids: list[int], tier: str, worker_id: str | None = None,
+                     min_blocks: int | None = None, timeout_s: float = 15.0, api_key: str | None = None) -> dict:
+        """Wait until the router's index shows ``min_blocks`` leading blocks of the prompt
+        (default: the ``(len - 1) // block_size`` a request would load) in ``tier`` ("L1", "L2"
+        or "L3"; L1/L2 on ``worker_id`` or any worker). KV events and L3 announcements reach the
+        index asynchronously; this replaces sleeping for a guess. Returns the last match."""
+        need = (len(prompt_token_ids) - 1) // self.cfg.engine.block_size if min_blocks is None else min_blocks
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.index_match(prompt_token_ids, api_key=api_key)
+            held = m["l3"] if tier == "L3" else max(
+                (n for w, n in m[tier.lower()].items() if worker_id in (None, w)), default=0)
+            if held >= need:
+                return m
+            if time.monotonic() > deadline:
+                raise DeploymentError(f"{need} blocks of the prompt not in {tier}"
+                                      f"{' of ' + worker_id if worker_id else ''} after {timeout_s} s: {m}")
+            time.sleep(0.02)
+
+    def _client_headers(self) -> dict[str, str]:
+        """A client ``Authorization`` header with the first configured API key (none without keys)."""
+        keys = list(self.cfg.auth.api_keys)
+        if not keys and self.cfg.auth.api_key_files:
+            from cpd.router.api_keys import parse_key_file
+            path = self.cfg.auth.api_key_files[0]
+            keys = [k for k, _ in parse_key_file(Path(path).read_text(encoding="utf-8"), path)]
+        return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
 def _running(c: Child) -> subprocess.Popen:

@@ -37,9 +37,10 @@ from cpd.router.elastic import ElasticRoles, RoleAssignment, apply_role_change
 from cpd.router.errors import error_response
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
+from cpd.router.index_query import IndexMatchQuery, match_prompt
 from cpd.router.metrics import RouterMetrics
 from cpd.router.openai_api import create_app
-from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, read_limited
 from cpd.router.workers import WorkerInfo, WorkerSet
 from cpd.types import Topology
 
@@ -301,6 +302,19 @@ class Router:
         async def index():
             """Blocks per tier in the prefix index, and the pending L3 writes (read-after-write)."""
             return {**router.index.sizes(), "pending_writes": router.index.num_pending_writes()}
+
+        @app.post("/cpd/index/match")
+        async def index_match(request: Request):
+            """Where the prompt's leading blocks are in the index now (:mod:`cpd.router.index_query`);
+            the caller's namespace only."""
+            try:
+                q = decode_body(await read_limited(request, router.max_request_body_bytes), IndexMatchQuery)
+            except MalformedBody as e:
+                return error_response(400, f"bad index query: {e}", code="invalid_index_query")
+            if len(q.prompt_token_ids) > router.max_model_len:
+                return error_response(400, f"the prompt has {len(q.prompt_token_ids)} tokens, more than the "
+                                           f"context length {router.max_model_len}", code="context_length_exceeded")
+            return match_prompt(router.index, router.namespace, q, current_tenant.get())
 
         @app.post("/cpd/role", include_in_schema=False)
         async def change_role(request: Request):

@@ -104,7 +104,7 @@ def _conversation(dep, seed: int, key: str = KEY_A) -> tuple[list[int], str]:
     L1) and that decode worker."""
     turn1 = random_prompt(seed, 90)
     out, _, rec = _complete(dep, turn1, 12, key)
-    time.sleep(0.7)  # the decode worker's BlockStored events reach the router's index
+    dep.wait_indexed(turn1 + out, "L1", worker_id=rec["decode_worker"], api_key=key)  # its BlockStored events
     return turn1 + out + random_prompt(seed + 1, 8), rec["decode_worker"]
 
 

@@ -86,7 +86,8 @@ def test_hot_prefix_spreads_over_workers(adaptive_dep):
     prefix = random_prompt(11, 480)
     warm = complete(dep, prefix + random_prompt(12, 16), 4)
     holder = routing_record(dep, warm["id"])["prefill_worker"]
-    time.sleep(0.5)  # its L1 blocks and L3 write-through reach the router's index
+    dep.wait_indexed(prefix, "L1", worker_id=holder)  # its L1 blocks and L3 write-through reach the index
+    dep.wait_indexed(prefix, "L3")
     results: list[dict | None] = [None] * 10
 
     def one(i: int) -> None:
@@ -121,7 +122,7 @@ def test_decode_local_append_returns_oracle_tokens(adaptive_dep, tiny_model_dir)
     turn1 = random_prompt(21, 90)
     r1 = complete(dep, turn1, 12)
     decode_worker = routing_record(dep, r1["id"])["decode_worker"]
-    time.sleep(0.5)  # the decode worker's BlockStored events reach the router's index
+    dep.wait_indexed(turn1 + _tokens(r1), "L1", worker_id=decode_worker)  # its BlockStored events
     turn2 = turn1 + _tokens(r1) + random_prompt(22, 8)
     r2 = complete(dep, turn2, 8)
     rec = routing_record(dep, r2["id"])
@@ -234,7 +235,7 @@ def test_pd_l3_prefix_loaded_from_l3_by_the_other_worker(pdl3_dep, tiny_model_di
     rec1 = routing_record(dep, r1["id"])
     assert rec1["write_through"] and _tokens(r1) == expected
     first = rec1["prefill_worker"]
-    time.sleep(0.5)  # the write-through becomes visible and its events reach the router
+    dep.wait_indexed(prompt, "L3")  # the write-through is visible and announced
     dep.kill_worker(first)
     deadline = time.time() + 15
     while time.time() < deadline and httpx.get(f"{dep.url}/health", timeout=5).json()["workers"].get(first):

@@ -34,7 +34,7 @@ def test_an_append_slower_than_its_estimate_is_rerouted_and_its_worker_stays_hea
         turn1 = random_prompt(61, 90)
         r1 = complete(dep, turn1, 12)
         assert routing_record(dep, r1["id"])["decode_worker"] == "d0"
-        time.sleep(0.5)  # d0's BlockStored events reach the router's index
+        dep.wait_indexed(turn1 + r1["choices"][0]["token_ids"], "L1", worker_id="d0")  # d0's BlockStored events
         turn2 = turn1 + r1["choices"][0]["token_ids"] + random_prompt(62, 8)
         t0 = time.monotonic()
         r2 = complete(dep, turn2, 1, seed=HANG_SEED)  # before: 503, no healthy decode worker

@@ -223,3 +223,25 @@ def assert_no_leaks_signed(dep):
             return
         time.sleep(0.1)
     raise AssertionError(f"blocks in use: {pools}")
+
+
+def test_index_match_sees_the_callers_namespace_only(dep):
+    """``POST /cpd/index/match`` hashes the prompt in the caller's tenant namespace: alice sees
+    her cached prompt, bob (same tokens, any body salt) sees nothing, no key is a 401."""
+    prompt = random_prompt(8, 96)
+    assert _post(dep, ALICE, prompt).status_code == 200
+
+    def match(key, salt=None):
+        r = httpx.post(f"{dep.url}/cpd/index/match", json={"prompt_token_ids": prompt, "cache_salt": salt},
+                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10)
+        return r
+
+    deadline = time.time() + 15
+    while time.time() < deadline and not match(ALICE).json()["l1"]:
+        time.sleep(0.05)
+    seen = match(ALICE).json()
+    assert seen["num_blocks"] == 6 and max(seen["l1"].values()) >= 5, seen
+    for salt in (None, "alice", effective_cache_salt("alice", None)):
+        other = match(BOB, salt).json()
+        assert not other["l1"] and not other["l2"] and other["l3"] == 0 and not other["l3_after"], (salt, other)
+    assert match(None).status_code == 401

@@ -11,8 +11,6 @@ the greedy tokens of one batch-invariant engine running the prompt alone:
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from deploy_util import (assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record,
@@ -64,7 +62,7 @@ def test_decode_local_append_in_bf16_returns_oracle_tokens(inv_dep):
     turn1 = random_prompt(31, 90)
     r1 = complete(inv_dep, turn1, 12)
     decode_worker = routing_record(inv_dep, r1["id"])["decode_worker"]
-    time.sleep(0.5)  # the decode worker's BlockStored events reach the router's index
+    inv_dep.wait_indexed(turn1 + r1["choices"][0]["token_ids"], "L1", worker_id=decode_worker)
     turn2 = turn1 + r1["choices"][0]["token_ids"] + random_prompt(32, 8)
     r2 = complete(inv_dep, turn2, 8)
     rec = routing_record(inv_dep, r2["id"])

@@ -56,7 +56,7 @@ def test_oracle_every_path_same_tokens(cpd_dep, pd_dep, tiny_model_dir):
     assert _tokens(cold) == expected
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
-    time.sleep(0.5)  # the L3 write-through becomes visible and its event reaches the router
+    cpd_dep.wait_indexed(prompt, "L3")  # the write-through is visible and announced
     warm_l3 = complete(cpd_dep, prompt, MAX_TOKENS)
     rec = routing_record(cpd_dep, warm_l3["id"])
     assert (rec["class"], rec["pool"]) == ("warm", "prefill")
@@ -72,7 +72,6 @@ def test_oracle_every_path_same_tokens(cpd_dep, pd_dep, tiny_model_dir):
     assert 0 < cached < len(prompt)
 
     cpd_dep.reset_prefix_caches()
-    time.sleep(0.3)
     after_reset = complete(cpd_dep, prompt, MAX_TOKENS)
     rec = routing_record(cpd_dep, after_reset["id"])
     assert rec["cached_tokens_by_tier"]["L1"] == 0 and rec["cached_tokens_by_tier"]["L3"] > 0
@@ -168,3 +167,37 @@ def test_bad_input_keeps_serving(cpd_dep):
         assert r.status_code == status, (body, r.text)
         assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
     assert complete(cpd_dep, random_prompt(5, 20), 3)["usage"]["completion_tokens"] == 3
+
+
+def test_reset_returns_once_the_router_has_seen_it(cpd_dep):
+    """The router's index follows KV events asynchronously; ``reset_prefix_caches`` returns only
+    when the index holds no L1/L2 block, so the next request is planned on what is really there
+    (CI once routed a request on L1 blocks a reset had just dropped)."""
+    for seed in range(3):
+        prompt = random_prompt(40 + seed, 160)
+        complete(cpd_dep, prompt, 2)
+        complete(cpd_dep, prompt, 2)  # now in a prefill worker's L1 (and the pre-prefill's)
+        assert cpd_dep.index_sizes()["L1"] > 0
+        cpd_dep.reset_prefix_caches()
+        sizes = cpd_dep.index_sizes()
+        assert sizes["L1"] == 0 and sizes["L2"] == 0, sizes
+        rec = routing_record(cpd_dep, complete(cpd_dep, prompt, 2)["id"])
+        assert rec["load_plan"]["l1_blocks"] == 0 and rec["cached_tokens_by_tier"]["L1"] == 0
+
+
+def test_index_match_shows_where_a_prompt_is(cpd_dep):
+    """``POST /cpd/index/match``: per tier and worker, the leading blocks the router would plan
+    on now; ``Deployment.wait_indexed`` waits on it. Bad bodies are OpenAI-style 400s."""
+    prompt = random_prompt(50, 200)  # 12 full blocks; a request loads at most 12 (199 // 16)
+    empty = cpd_dep.index_match(prompt)
+    assert empty == {"num_blocks": 12, "l1": {}, "l2": {}, "l3": 0, "l3_after": {}, "l3_pending": 0}
+    rec = routing_record(cpd_dep, complete(cpd_dep, prompt, 2)["id"])
+    m = cpd_dep.wait_indexed(prompt, "L3")
+    assert m["l3"] == 12 and m["l1"].get(rec["prefill_worker"]) == 12, m
+    assert cpd_dep.index_match(prompt, cache_salt="other")["l3"] == 0  # another namespace
+    for body in ({"prompt_token_ids": [1, -2]}, {"prompt_token_ids": "abc"}, {"prompt": [1]},
+                 {"prompt_token_ids": [2 ** 32]}, {"prompt_token_ids": [0] * 10 ** 6}):
+        r = httpx.post(f"{cpd_dep.url}/cpd/index/match", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body, r.text)
+    r = httpx.post(f"{cpd_dep.url}/cpd/index/match", content=b"{not json", timeout=10)
+    assert r.status_code == 400, r.text

@@ -203,7 +203,7 @@ def test_a_decode_local_append_whose_worker_dies_mid_stream_is_migrated_and_ends
     r1 = _post(dep, turn1, max_tokens=8).json()
     holder = routing_record(dep, r1["id"])["decode_worker"]
     turn2, max_tokens = turn1 + r1["choices"][0]["token_ids"] + random_prompt(3601, 20), 120
-    time.sleep(0.5)  # the holder's BlockStored events reach the router's index
+    dep.wait_indexed(turn1 + r1["choices"][0]["token_ids"], "L1", worker_id=holder)  # its BlockStored events
     busy = threading.Thread(target=_post, args=(dep, random_prompt(3602, 12000), 1), daemon=True)
     busy.start()  # p0 queued: the append on the holder finishes first
     busy_worker(dep, "prefill")

@@ -42,7 +42,6 @@ def _warm_up_l3(dep, prompt) -> None:
     complete(dep, prompt, MAX_TOKENS)  # cold: pre-prefill writes the blocks through to L3
     time.sleep(0.5)
     dep.reset_prefix_caches()  # make sure a later hit can only come from L3
-    time.sleep(0.3)
 
 
 def test_corrupted_l3_payload_is_recomputed(dep, module_redis, tiny_model_dir):

@@ -36,7 +36,6 @@ def test_real_model_oracle(real_dep):
     for step in ("cold", "l3", "l1"):
         if step == "l3":
             real_dep.reset_prefix_caches()
-            time.sleep(0.3)
         out = complete(real_dep, prompt, 16)
         rec = routing_record(real_dep, out["id"])
         paths.append((rec["pool"], {k: v for k, v in rec["cached_tokens_by_tier"].items() if v}))
