@@ -22,8 +22,8 @@ from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclos
 from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from cpd.router.openai_front.sse import SSE_DONE, SSEResponse, sse_event
 from cpd.router.openai_front.text_state import TextState, drain
-from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, parse_stop, token_range,
-                                                validation_error, without_token_prompt)
+from cpd.router.openai_front.validation import (check_union_fields, check_unsupported, check_unsupported_extensions,
+                                                parse_stop, token_range, validation_error, without_token_prompt)
 from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
 from cpd.router.tokenization import MessageError, Tokenizer
@@ -130,6 +130,7 @@ class OpenAIFront:
             raise validation_error(e)
         self._check_model(req.model)
         check_unsupported(req, chat)
+        check_unsupported_extensions(obj, chat)
         temperature = 1.0 if req.temperature is None else float(req.temperature)  # range: the model
         top_p = 1.0 if req.top_p is None else float(req.top_p)
         stops = parse_stop(req.stop)

@@ -75,6 +75,36 @@ def check_unsupported(req: CommonRequest, chat: bool) -> None:
             raise invalid("only response_format {'type': 'text'} is supported", "response_format")
 
 
+# Options of other OpenAI-compatible servers (vLLM's extensions, OpenAI's legacy function calling)
+# that change the prompt or the answer, which this server does not implement. The request models
+# ignore unknown fields, so these are checked on the raw body: each is refused unless absent, null,
+# or at the neutral value listed (the default a client may send explicitly). Options whose effect
+# this server already gives, or which change nothing in the answer, are not listed.
+UNSUPPORTED_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "include_stop_str_in_output": (False,), "allowed_token_ids": (),
+    "bad_words": ([],), "use_beam_search": (False,), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "logits_processors": ([],),
+}
+UNSUPPORTED_CHAT_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "echo": (False,), "documents": ([],), "functions": ([],),
+    "function_call": ("none",),
+}
+UNSUPPORTED_COMPLETIONS_EXTENSIONS: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
+
+
+def check_unsupported_extensions(obj: dict[str, Any], chat: bool) -> None:
+    """400 for a field of :data:`UNSUPPORTED_EXTENSIONS` (and the endpoint's own table) that asks for
+    something: an answer that silently ignored it would not be the one asked for."""
+    table = {**UNSUPPORTED_EXTENSIONS,
+             **(UNSUPPORTED_CHAT_EXTENSIONS if chat else UNSUPPORTED_COMPLETIONS_EXTENSIONS)}
+    for name, neutral in table.items():
+        value = obj.get(name)
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+            raise invalid(f"'{name}' is not supported by this server (only its default is accepted)", name)
+
+
 def parse_stop(stop: Any) -> list[str]:
     if stop is None:
         return []
