@@ -53,6 +53,7 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from cpd.costmodel.prior import cost_prior
 from cpd.engine.engine import loads_since
@@ -213,8 +214,17 @@ def _stuck_error(st: WorkerState) -> Response:
                   f"bound {st.runner.max_step_s:g} s)", 503, "engine_stuck")
 
 
+async def _caller_gone(request: Request, exc: Exception) -> Response:
+    """The caller (the router) closed the connection while sending the body: it gave up on the call
+    (its client left, or a bound expired). Nothing was started; no answer is read, so none is sent
+    beyond a 499, and it is no server error."""
+    log.debug("%s %s: the caller left while sending its body", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 def build_app(st: WorkerState) -> FastAPI:
     app = FastAPI(title=f"cpd worker {st.worker_id}")
+    app.add_exception_handler(ClientDisconnect, _caller_gone)
 
     @app.get("/health")
     async def health():

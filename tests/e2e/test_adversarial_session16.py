@@ -1,7 +1,7 @@
 """Adversarial session 16 (helper): failure classes the earlier adversarial files do not cover,
 against a real deployment (router + worker processes of the tiny random-weight Llama, real HTTP).
 
-Finding:
+Findings:
 
 - Options that change the answer were silently ignored. The request models ignore unknown fields
   (clients send many), and only OpenAI's own unsupported options (``n``, ``logprobs``, ``echo``,
@@ -17,6 +17,13 @@ Finding:
   and ``guided_choice`` returned free text. The README promises "options we do not implement get a
   400, never silence". Now each of them gets a 400 naming it unless it holds its neutral value
   (the default a client may send explicitly), which is still accepted.
+
+- A router that gives up on a worker call while it is still sending the body (its client hung up,
+  or a bound expired) made the worker log ``ERROR: Exception in ASGI application`` with a 60-line
+  ``starlette.requests.ClientDisconnect`` traceback (5 of 280 hang-ups in a live storm with the TCP
+  handoff; deterministic with a raw socket that sends part of a ``/prefill`` body and closes). Nothing
+  leaked and the worker kept serving, but an ERROR per abandoned call buries real errors and trips
+  alerts. The worker app now answers a client gone while its body is read with 499, quietly.
 
 What held (probes; no test needed beyond the existing files): ~45 completions and ~40 chat edge
 bodies (``max_tokens`` 0 / null / 1e9 / -1 / float / string, batched prompts, empty prompts,
@@ -35,10 +42,14 @@ oracle's, every pool back to 0.
 """
 from __future__ import annotations
 
+import socket
+import time
+from urllib.parse import urlsplit
+
 import httpx
 import pytest
 
-from deploy_util import start
+from deploy_util import assert_no_leaks, complete, random_prompt, start
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -110,3 +121,22 @@ def test_an_option_that_would_change_the_answer_is_refused_not_ignored(dep, endp
 def test_the_same_option_at_its_neutral_value_is_served(dep, endpoint, field, value):
     r = _post(dep, endpoint, field, value)
     assert r.status_code == 200, r.text[:300]
+
+
+def test_a_caller_gone_while_sending_a_worker_its_body_is_not_an_error(dep):
+    """Raw sockets send part of a body to each worker endpoint that reads one and close: the worker
+    logs no ERROR traceback, holds nothing and keeps serving."""
+    worker = next(w for w in dep.alive_workers() if w["worker_id"] == "p0")
+    log_path = dep.log_dir / "p0.log"
+    errors_before = log_path.read_text().count("Exception in ASGI application")
+    url = urlsplit(worker["url"])
+    for path in ("/prefill", "/decode", "/append", "/role", "/handoff/release"):
+        with socket.create_connection((url.hostname, url.port), timeout=5) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: 100000\r\n\r\n{{\"request_id\": \"".encode())
+            time.sleep(0.2)
+    time.sleep(0.5)
+    errors = log_path.read_text().count("Exception in ASGI application") - errors_before
+    assert errors == 0, f"the worker logged {errors} ASGI errors for callers gone while sending"
+    assert len(complete(dep, random_prompt(16, 40), 4)["choices"][0]["token_ids"]) == 4
+    assert_no_leaks(dep)
