@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 
-import httpx
 import pytest
 
 from cpd.kv.block_hash import Namespace, hash_blocks
@@ -36,10 +35,6 @@ def _no_leaks(dep):
     assert_no_leaks(dep)
 
 
-def _index_sizes(dep) -> dict:
-    return httpx.get(f"{dep.url}/cpd/index", timeout=5).json()
-
-
 def _wait(cond, timeout_s: float = 15.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -56,9 +51,9 @@ def _clear_local_tiers(dep) -> None:
 
 def _store_l3_blocks(dep, prompt) -> None:
     """A cold request writes the prompt through to L3; wait until the router saw it announced."""
-    before = _index_sizes(dep)["L3"]
+    before = dep.index_sizes()["L3"]
     complete(dep, prompt, MAX_TOKENS)
-    _wait(lambda: _index_sizes(dep)["L3"] >= before + len(prompt) // BS, timeout_s=60.0, what="L3 announcements")
+    _wait(lambda: dep.index_sizes()["L3"] >= before + len(prompt) // BS, timeout_s=60.0, what="L3 announcements")
 
 
 def _plan_vs_actual(dep, prompt) -> tuple[dict, dict, list[int]]:
@@ -109,13 +104,13 @@ def test_corrupt_middle_chunk_keeps_valid_leading_blocks(dep, tiny_model_dir):
     predicted, actual, _ = _plan_vs_actual(dep, prompt)  # meets the corrupt chunk
     assert predicted["L3"] == 12 * BS and actual["L3"] == 0
     # only the corrupt chunk left the view: the valid leading chunk is still promised and served
-    size = _index_sizes(dep)["L3"]
+    size = dep.index_sizes()["L3"]
     predicted, actual, toks = _plan_vs_actual(dep, prompt)
     assert toks == oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
     assert predicted == actual and actual["L3"] == 4 * BS
     # that request was cold (4 of 12 blocks cached): it rewrote the lost chunk, and the view
     # learns it, so the whole prefix is predicted and served again
-    _wait(lambda: _index_sizes(dep)["L3"] >= size + CHUNK, what="the rewritten chunk announced")
+    _wait(lambda: dep.index_sizes()["L3"] >= size + CHUNK, what="the rewritten chunk announced")
     assert _converges(dep, tiny_model_dir, prompt, expect_l3_tokens=12 * BS) == 1
 
 

@@ -267,10 +267,6 @@ def test_worker_whose_steps_keep_failing_is_restarted_and_serves_exact_tokens(de
     assert _liveness_metric(dep, "p0", "consecutive_failed_steps") == 1.0
 
 
-def _index_sizes(dep) -> dict:
-    return {k: v for k, v in httpx.get(f"{dep.url}/cpd/index", timeout=5).json().items() if k in ("L1", "L2", "L3")}
-
-
 def _routed(dep, prompt: list[int]) -> tuple[list[int], dict]:
     """Greedy tokens of ``prompt`` through the router, and its routing record there."""
     r = _create(dep, prompt, 8)
@@ -284,7 +280,7 @@ def test_stopped_router_is_restarted_and_rebuilds_its_view(dep, tiny_model_dir):
     assert cold_tokens == warm_tokens == _oracle(tiny_model_dir, prompt, 8)
     assert warm["reuse_ratio"] > 0, warm
     time.sleep(1.0)  # the last KV events reach the router
-    sizes = _index_sizes(dep)
+    sizes = dep.index_sizes()
     assert sizes["L1"] > 0, sizes
     old_pid, restarts = dep.pids()["router"], _restarts(dep)
     dep.children["router"].proc.send_signal(signal.SIGSTOP)
@@ -293,7 +289,7 @@ def test_stopped_router_is_restarted_and_rebuilds_its_view(dep, tiny_model_dir):
     assert killed_s >= LIVENESS_S - 0.5
     dep.wait_ready(READY_BOUND_S)
     # the new router's view, rebuilt from the workers' snapshots and the store (it saw no event)
-    assert _index_sizes(dep) == sizes, (_index_sizes(dep), sizes)
+    assert dep.index_sizes() == sizes, (dep.index_sizes(), sizes)
     after_tokens, after = _routed(dep, prompt)
     assert after_tokens == cold_tokens, (after_tokens, cold_tokens)
     assert after["reuse_ratio"] == warm["reuse_ratio"] and after["class"] == warm["class"], (after, warm)

@@ -81,10 +81,6 @@ def _routed(dep, prompt: list[int]) -> tuple[list[int], dict]:
     return r.choices[0].token_ids, routing_record(dep, r.id)
 
 
-def _index_sizes(dep) -> dict:
-    return {k: v for k, v in httpx.get(f"{dep.url}/cpd/index", timeout=5).json().items() if k in ("L1", "L2", "L3")}
-
-
 def _health(dep) -> tuple[int, dict]:
     r = httpx.get(f"{dep.url}/health", timeout=5)
     return r.status_code, r.json()
@@ -98,7 +94,7 @@ def _warm_prompt(dep, tiny_model_dir, seed: int) -> tuple[list[int], list[int], 
     assert cold_tokens == warm_tokens == _oracle(tiny_model_dir, prompt, 8)
     assert warm["reuse_ratio"] > 0, warm
     time.sleep(1.0)  # the last KV events reach the router
-    sizes = _index_sizes(dep)
+    sizes = dep.index_sizes()
     assert sizes["L1"] > 0, sizes
     return prompt, cold_tokens, warm, sizes
 
@@ -154,7 +150,7 @@ def _restarted_router_rebuilt_and_serves(dep, tiny_model_dir, old_pid, old_resta
     is routed as before with the same tokens, new prompts are exact, the restart is counted."""
     dep.wait_ready(READY_BOUND_S)
     assert dep.pids()["router"] != old_pid
-    assert _index_sizes(dep) == sizes, (_index_sizes(dep), sizes)
+    assert dep.index_sizes() == sizes, (dep.index_sizes(), sizes)
     after_tokens, after = _routed(dep, prompt)
     assert after_tokens == cold_tokens, (after_tokens, cold_tokens)
     assert after["reuse_ratio"] == warm["reuse_ratio"] and after["class"] == warm["class"], (after, warm)
@@ -191,11 +187,11 @@ def test_subscriber_that_dies_once_is_restarted_in_process_and_the_index_repopul
     assert set(codes) == {200}, codes  # a 0.5 s restart is far inside the stall bound
     assert _health(dep)[1]["background"]["kv_events"]["last_error"].startswith("InjectedTaskFault")
     # the index is rebuilt from the workers' snapshots (events were lost meanwhile) ...
-    _wait(lambda: _index_sizes(dep) == sizes, 10.0, lambda: (_index_sizes(dep), sizes))
+    _wait(lambda: dep.index_sizes() == sizes, 10.0, lambda: (dep.index_sizes(), sizes))
     # ... and fed by events again: a new prompt's blocks show up
     new_prompt = random_prompt(3101, 300)
     assert _routed(dep, new_prompt)[0] == _oracle(tiny_model_dir, new_prompt, 8)
-    _wait(lambda: _index_sizes(dep)["L1"] > sizes["L1"], 10.0, lambda: (_index_sizes(dep), sizes))
+    _wait(lambda: dep.index_sizes()["L1"] > sizes["L1"], 10.0, lambda: (dep.index_sizes(), sizes))
     after_tokens, after = _routed(dep, prompt)
     assert after_tokens == cold_tokens
     assert after["reuse_ratio"] == warm["reuse_ratio"] and after["class"] == warm["class"], (after, warm)
