@@ -95,7 +95,11 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     and after which short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
     this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
     anywhere and spills only to a prefill worker with nothing queued, once home would make it
-    wait more than ``HOPELESS_WAIT_FACTOR`` times its own work). An empty home pool falls back to the other
+    wait more than ``HOPELESS_WAIT_FACTOR`` times its own work, and only while it is expected to
+    push less than one short request past the SLO: the prefill pool's measured short arrivals
+    (``short_arrivals_per_s``, summed) times the time it holds short work past the SLO there,
+    ``wait_s + own_s - ttft_slo_s``; such a spill gains no goodput, so it may cost none,
+    :func:`_short_misses_expected`). An empty home pool falls back to the other
     (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -127,6 +131,7 @@ A8. Decode worker: rule 6 (:func:`pick_decode`), except the decode-local append'
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -172,6 +177,9 @@ class WorkerLoad:
         pending_handoffs: decode workers: requests routed here whose decode has not started yet
             (their prefill runs on a prefill-side worker, or their KV is on its way); they will
             join this worker's batch, so the decode choice (rule 6) counts them.
+        short_arrivals_per_s: prefill-side workers: short (``warm``) requests the caller dispatched
+            to this worker per second over its recent window (:class:`ArrivalRate`); 0 when not
+            measured. Rule A3 prices a spill longer than the SLO with it.
     """
 
     worker_id: str
@@ -182,6 +190,32 @@ class WorkerLoad:
     healthy: bool = True
     queued_prefill_s: float | None = None
     pending_handoffs: int = 0
+    short_arrivals_per_s: float = 0.0
+
+
+class ArrivalRate:
+    """Events per second over the last ``window_s`` seconds, from explicit timestamps (no clock
+    inside; non-decreasing). The live router and the simulator keep one per prefill-side worker
+    for its short dispatches (``WorkerLoad.short_arrivals_per_s``). Memory: one window of events."""
+
+    def __init__(self, window_s: float | None = None):
+        """``window_s`` None: :data:`SHORT_ARRIVAL_WINDOW_S`."""
+        self.window_s = SHORT_ARRIVAL_WINDOW_S if window_s is None else window_s
+        if self.window_s <= 0:
+            raise ValueError("ArrivalRate: window_s must be > 0")
+        self._t: deque[float] = deque()
+
+    def observe(self, now_s: float) -> None:
+        self._t.append(now_s)
+        self._trim(now_s)
+
+    def per_s(self, now_s: float) -> float:
+        self._trim(now_s)
+        return len(self._t) / self.window_s
+
+    def _trim(self, now_s: float) -> None:
+        while self._t and self._t[0] < now_s - self.window_s:
+            self._t.popleft()
 
 
 @dataclass(frozen=True)
@@ -568,7 +602,17 @@ HOPELESS_WAIT_FACTOR = 4.0
 home would make it wait more than this many times its own work (its TTFT at home is then at most
 about 5x its own work). Such a request misses the SLO anywhere, so a spill gains no goodput and
 delays short work; letting it spill to any idle prefill worker (a factor of 0) cost adaptive 7.7 %
-on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646 QPS/GPU)."""
+on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646 QPS/GPU).
+The factor alone still let such a request onto the only prefill worker while short work kept
+arriving there: on the Claude Code sessions (TTFT 0.5 s, seed 2, 4.0 QPS/GPU) the spills of
+1.0-1.8 s prompts past a 2-13 s pre-prefill queue cost 38 short requests their SLO (adaptive
+goodput 0.880 vs cpd-static's 0.911); so the spill also needs the short work it is expected to
+push past the SLO to be under one request (:func:`_short_misses_expected`)."""
+
+SHORT_ARRIVAL_WINDOW_S = 10.0
+"""Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the
+tens of short requests per second that make a hopeless spill costly, short enough to follow the
+load a spill of 1-2 s meets."""
 
 DECODE_APPEND_TPOT_SHARE = 0.5
 """Decode-local append: the append's compute, with the appends queued before it on that decode
@@ -648,12 +692,24 @@ def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], ho
     more than :data:`HOPELESS_WAIT_FACTOR` times its own work (``home_wait_s``), when it may take
     a prefill worker with nothing queued (short work arriving next then waits at most this one
     request). Without that bound it stayed behind a pre-prefill queue of any length while a
-    prefill worker idled (a live trial: TTFT up to 36 s, the prefill worker idle)."""
+    prefill worker idled (a live trial: TTFT up to 36 s, the prefill worker idle), and only while
+    it is expected to push less than one short request past the SLO
+    (:func:`_short_misses_expected`): it gains no goodput, so it may cost none; with no short
+    traffic (the live trial) it still spills."""
     waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
     if min(waits) <= cfg.ttft_slo_s:
         return True
     return c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
-        and min(waits) <= c.est.own_s
+        and min(waits) <= c.est.own_s and _short_misses_expected(c, prefill_pool, cfg) < 1.0
+
+
+def _short_misses_expected(c: _Candidate, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+    """Short requests expected to miss the SLO because ``c`` takes this request (called when no
+    prefill worker keeps a queue within the SLO): every one arriving in the prefill pool while
+    ``c``'s queue, this request included, exceeds the SLO (``wait_s + own_s - ttft_slo_s``
+    seconds) would have met it on ``c``; the pool's measured short arrival rate times that time."""
+    rate = sum(p.load.short_arrivals_per_s for p in prefill_pool)
+    return rate * max(0.0, c.est.wait_s + c.est.own_s - cfg.ttft_slo_s)
 
 
 def _heavy_home_meets_slo(best_home: _Candidate, cfg: RoutingConfig) -> bool:

@@ -76,7 +76,7 @@ from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
 from cpd.router.staging_release import StagingReleaser
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerSet
-from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
+from cpd.types import PREFILL_SIDE_ROLES, BlockHash, RequestClass, Role, Tier
 
 if TYPE_CHECKING:
     from cpd.policy.role_window import RoleWindow
@@ -442,6 +442,8 @@ class CPDBackend:
         w.queued_prefill_tokens += n
         w.queued_prefill_s += est_s
         w.running_requests += 1
+        if d.request_class == RequestClass.WARM:  # routing rule A3 prices hopeless spills with it
+            w.short_rate.observe(now)
         dw = self.workers.by_id.get(d.decode_worker) if d.decode_worker is not None else None
         if dw is not None:  # routing rule 6: the decode worker counts the handoff it will receive
             dw.pending_handoffs += 1

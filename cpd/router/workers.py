@@ -17,7 +17,7 @@ import httpx
 import msgspec
 
 from cpd.messages.worker_api import LoadReport, decode_body
-from cpd.policy.routing import WorkerLoad
+from cpd.policy.routing import ArrivalRate, WorkerLoad
 from cpd.types import PREFILL_SIDE_ROLES, Role
 
 log = logging.getLogger("cpd.router")
@@ -47,6 +47,8 @@ class WorkerInfo:
             "reason", "at_unix_s"}``), None if none.
         role_epoch: bumped by every role change; a ``/load`` answer to a poll sent before the
             last change may predate it and never changes the role back.
+        short_rate: short (``warm``) requests dispatched here, by their dispatch time on
+            ``time.monotonic()`` (the snapshot's ``short_arrivals_per_s``, routing rule A3).
     """
 
     worker_id: str
@@ -67,6 +69,7 @@ class WorkerInfo:
     cost_prior: dict | None = None
     last_role_change: dict | None = None
     role_epoch: int = 0
+    short_rate: ArrivalRate = field(default_factory=ArrivalRate)
 
     @property
     def usable(self) -> bool:
@@ -76,7 +79,8 @@ class WorkerInfo:
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
                           self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s),
-                          pending_handoffs=max(0, self.pending_handoffs))
+                          pending_handoffs=max(0, self.pending_handoffs),
+                          short_arrivals_per_s=self.short_rate.per_s(time.monotonic()))
 
 
 def _adopts_role(w: WorkerInfo, reported: Role) -> bool:

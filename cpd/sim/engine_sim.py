@@ -34,14 +34,14 @@ from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks_u32le
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
-from cpd.policy.routing import Overloaded, RoutingConfig, WorkerLoad, route, work_s
+from cpd.policy.routing import ArrivalRate, Overloaded, RoutingConfig, WorkerLoad, route, work_s
 from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
 from cpd.sim.core_share import CoreShare
 from cpd.sim.step_end_connector import StepEndL3Connector
 from cpd.sim.workload import SimRequest
-from cpd.types import PREFILL_SIDE_ROLES, Role, Tier
+from cpd.types import PREFILL_SIDE_ROLES, RequestClass, Role, Tier
 
 VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
@@ -257,6 +257,7 @@ class _Inst:
     transfers_reported: dict = field(default_factory=dict)  # tier -> (bytes, s) at the last answer
     l3_deferred: bool = False  # L3 events wait in batches for the next flush (l3_events_next_flush)
     flushes: int = 0  # publishes so far (an idle flush scheduled before a later publish is stale)
+    short_rate: ArrivalRate = field(default_factory=ArrivalRate)  # short dispatches here (rule A3)
 
 
 class EngineSimulator:
@@ -455,7 +456,7 @@ class EngineSimulator:
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s),
-                           pending_handoffs=w.pending_handoffs)
+                           pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now))
                 for w in self.insts]
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
@@ -484,6 +485,8 @@ class EngineSimulator:
         w.queued_prefill_tokens += len(toks)
         w.queued_prefill_s += est_s
         w.running_requests += 1
+        if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:
+            w.short_rate.observe(now)
         if not d.decode_append and d.decode_worker is not None:
             self.by_id[d.decode_worker].pending_handoffs += 1
         rec = self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, SLO_PREDICTION_SHARE,
-                                DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
+from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, SHORT_ARRIVAL_WINDOW_S,
+                                SLO_PREDICTION_SHARE, ArrivalRate, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
                                 PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
                                 work_s)
 from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
@@ -188,6 +188,33 @@ def test_work_longer_than_the_slo_takes_an_idle_prefill_worker_past_a_hopeless_h
     for pp_q, p_q in ((10.0, 0.0), (13.0, 0.5), (600.0, 0.5), (0.0, 0.0)):
         d = route(3000, PrefixMatch(), _cluster(pp=(pp_q,), p=(p_q,)), CFG, COST)
         assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME, (pp_q, p_q)
+
+
+def test_work_longer_than_the_slo_spills_only_where_it_pushes_less_than_one_short_request_past_the_slo():
+    """The hopeless spill above gains no goodput (3 s of own work misses a 2 s SLO anywhere), and
+    on the only prefill worker it holds every short request arriving in its first 3 - 2 = 1 s past
+    the SLO. It spills while the prefill pool's measured short arrivals make that less than one
+    request (0.5/s: 0.5), and stays home at 1/s (1 request) or 2/s (a rate of 0, no short traffic,
+    is the case above)."""
+    def route_with(rate: float) -> RouteDecision:
+        ws = [_w("pp0", Role.PRE_PREFILL, 13.0), _w("d0", Role.DECODE),
+              dataclasses.replace(_w("p0", Role.PREFILL), short_arrivals_per_s=rate)]
+        return route(3000, PrefixMatch(), ws, CFG, COST)
+
+    spilled = route_with(0.5)
+    assert (spilled.pool, spilled.prefill_worker, spilled.reason) == (Role.PREFILL, "p0", DecisionReason.SPILL_COLD)
+    for rate in (1.0, 2.0):
+        d = route_with(rate)
+        assert (d.pool, d.reason) == (Role.PRE_PREFILL, DecisionReason.HOME), rate
+
+
+def test_arrival_rate_counts_the_last_window():
+    r = ArrivalRate(window_s=10.0)
+    for t in (0.0, 1.0, 2.0, 9.0):
+        r.observe(t)
+    assert r.per_s(9.0) == pytest.approx(0.4)
+    assert r.per_s(11.5) == pytest.approx(0.2)   # the events at 2 and 9 s are within [1.5, 11.5]
+    assert ArrivalRate().window_s == SHORT_ARRIVAL_WINDOW_S
 
 
 @settings(max_examples=300, deadline=None)
