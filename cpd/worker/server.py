@@ -440,6 +440,9 @@ async def _prefill_lines(st: WorkerState, rid: str, stream, request: Request, t0
         yield encode(line) + b"\n"
     except BaseException:
         task.cancel()
+        # a cancellation racing with the engine's answer can be lost (asyncio.wait_for before 3.12):
+        # the task then fails later, its staging released below; nobody awaits it, so retrieve it here
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         _drop_prefill(st, rid)
         raise
     finally:

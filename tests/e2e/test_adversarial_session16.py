@@ -24,6 +24,12 @@ Findings:
   handoff; deterministic with a raw socket that sends part of a ``/prefill`` body and closes). Nothing
   leaked and the worker kept serving, but an ERROR per abandoned call buries real errors and trips
   alerts. The worker app now answers a client gone while its body is read with 499, quietly.
+- Same class, streamed prefill: a hang-up that reaches the worker just as the engine's answer does
+  lost the cancellation of the prefill task (``asyncio.wait_for`` before Python 3.12), which then
+  failed with "its handoff was not staged by the engine thread" after nobody awaited it, logged by
+  asyncio as "Task exception was never retrieved" (2 in ~100 hang-ups, elastic deployment). The
+  abandoned task's end is now retrieved; deterministic repro in
+  ``tests/unit/test_prefill_lines_abandoned.py``.
 
 What held (probes; no test needed beyond the existing files): ~45 completions and ~40 chat edge
 bodies (``max_tokens`` 0 / null / 1e9 / -1 / float / string, batched prompts, empty prompts,
@@ -38,7 +44,14 @@ counts equal, on 40 random prompts. KV pool pressure in ``cpd`` adaptive, float3
 worker and a 512 KiB L2: 12 multi-turn sessions sharing a 200-token prefix (72 requests, ~3.4k
 decode evictions), 8 sessions x 8 turns, requests that need the whole pool (700 + 68, 767 + 1,
 10 + 758 tokens at once), and 12 concurrent near-identical 500-token cold prompts: every token the
-oracle's, every pool back to 0.
+oracle's, every pool back to 0. Elastic roles (``--elastic``, planner every 0.5 s, dwell 1 s, no
+hysteresis; 1 pre-prefill + 2 prefill + 1 decode, adaptive, float32): 90 s of six closed-loop clients
+(multi-turn, 30 % cold, 20 % hang-ups) with 5 automatic role changes: 416 requests exact, no leak.
+Manual role changes leaving no pre-prefill or no prefill worker: cold and warm requests still served
+exact. L3 (file store) chunks bit-flipped, truncated, emptied, header-corrupted or deleted under a
+warm request: recomputed, exact, counted as ``corrupt`` fallbacks. Seeded / penalised / ``min_p`` /
+``stop_token_ids`` on the first (prefill-side) token with ``min_tokens``: 84 of 84 equal to one engine,
+cold and warm. 24 concurrent > 4096-character text and chat prompts (tokenized in threads): all served.
 """
 from __future__ import annotations
 
