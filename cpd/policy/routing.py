@@ -605,9 +605,14 @@ delays short work; letting it spill to any idle prefill worker (a factor of 0) c
 on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646 QPS/GPU).
 The factor alone still let such a request onto the only prefill worker while short work kept
 arriving there: on the Claude Code sessions (TTFT 0.5 s, seed 2, 4.0 QPS/GPU) the spills of
-1.0-1.8 s prompts past a 2-13 s pre-prefill queue cost 38 short requests their SLO (adaptive
-goodput 0.880 vs cpd-static's 0.911); so the spill also needs the short work it is expected to
-push past the SLO to be under one request (:func:`_short_misses_expected`)."""
+1.0-1.8 s prompts past a 2-13 s pre-prefill queue held the only prefill worker while short work
+arrived at ~12/s (38 of the 39 requests adaptive lost to cpd-static were short ones there; goodput
+0.880 vs 0.911); so the spill also needs the short work it is expected to
+push past the SLO to be under one request (:func:`_short_misses_expected`): 0.925 there, and no
+Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/). It
+prices only the short side: a refused spill also keeps its work in the pre-prefill queue ahead of
+heavy requests that could still meet the SLO: on seed 1 (output 400) adaptive lost 2.7 % at TTFT 1 s
+and 1.9 % at 2 s (still 1.11 and 1.04 of the best other)."""
 
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the
