@@ -24,6 +24,7 @@ store listing; only :meth:`Deployment.stop` ends the deployment. Restarts are lo
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ import httpx
 from cpd.config import Config, ServedModel, WorkerEndpoint
 from cpd.config import write as write_config
 from cpd.liveness import LivenessPolicy, classify_answer
+from cpd.policy.routing import max_cached_blocks
 from cpd.supervise import Child, RestartPolicy, Supervisor, http_probe
 
 log = logging.getLogger("cpd.deploy")
@@ -417,16 +419,12 @@ class Deployment:
         reset expects). For an idle deployment: blocks of requests in flight would be re-indexed."""
         for u in self.worker_urls():
             httpx.post(f"{u}/reset_prefix_cache", timeout=10, auth=self.internal_client_auth()).raise_for_status()
-        deadline = time.monotonic() + timeout_s
-        while (sizes := self.index_sizes())["L1"] or sizes["L2"]:
-            if time.monotonic() > deadline:
-                raise DeploymentError(f"the router's index still holds L1/L2 blocks {timeout_s} s after "
-                                      f"a reset: {sizes}")
-            time.sleep(0.02)
+        _poll(self.index_sizes, lambda sizes: not (sizes["L1"] or sizes["L2"]), timeout_s,
+              "the router's index to hold no L1/L2 block after a reset")
 
     def index_sizes(self) -> dict[str, int]:
         """Blocks per tier in the router's prefix index (``GET /cpd/index``)."""
-        r = httpx.get(f"{self.url}/cpd/index", timeout=5, headers=self._client_headers())
+        r = httpx.get(f"{self.url}/cpd/index", timeout=5, headers=self._client_headers)
         r.raise_for_status()
         return {k: int(v) for k, v in r.json().items() if k in ("L1", "L2", "L3")}
 
@@ -434,7 +432,7 @@ class Deployment:
                     api_key: str | None = None) -> dict:
         """The router's view of where the prompt's leading blocks are (``POST /cpd/index/match``),
         in the namespace of ``api_key``'s tenant (default: the first configured key's)."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else self._client_headers()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else self._client_headers
         r = httpx.post(f"{self.url}/cpd/index/match", timeout=10, headers=headers,
                        json={"prompt_token_ids": list(prompt_token_ids), "cache_salt": cache_salt})
         r.raise_for_status()
@@ -443,30 +441,41 @@ class Deployment:
     def wait_indexed(self, prompt_token_ids: list[int], tier: str, worker_id: str | None = None,
                      min_blocks: int | None = None, timeout_s: float = 15.0, api_key: str | None = None) -> dict:
         """Wait until the router's index shows ``min_blocks`` leading blocks of the prompt
-        (default: the ``(len - 1) // block_size`` a request would load) in ``tier`` ("L1", "L2"
+        (default: the :func:`~cpd.policy.routing.max_cached_blocks` a request would load) in ``tier`` ("L1", "L2"
         or "L3"; L1/L2 on ``worker_id`` or any worker). KV events and L3 announcements reach the
         index asynchronously; this replaces sleeping for a guess. Returns the last match."""
-        need = (len(prompt_token_ids) - 1) // self.cfg.engine.block_size if min_blocks is None else min_blocks
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.index_match(prompt_token_ids, api_key=api_key)
-            held = m["l3"] if tier == "L3" else max(
-                (n for w, n in m[tier.lower()].items() if worker_id in (None, w)), default=0)
-            if held >= need:
-                return m
-            if time.monotonic() > deadline:
-                raise DeploymentError(f"{need} blocks of the prompt not in {tier}"
-                                      f"{' of ' + worker_id if worker_id else ''} after {timeout_s} s: {m}")
-            time.sleep(0.02)
+        need = max_cached_blocks(len(prompt_token_ids), self.cfg.engine.block_size) if min_blocks is None \
+            else min_blocks
 
+        def held(m: dict) -> bool:
+            n = m["l3"] if tier == "L3" else max(
+                (n for w, n in m[tier.lower()].items() if worker_id in (None, w)), default=0)
+            return n >= need
+
+        return _poll(lambda: self.index_match(prompt_token_ids, api_key=api_key), held, timeout_s,
+                     f"{need} blocks of the prompt in {tier}{' of ' + worker_id if worker_id else ''}")
+
+    @functools.cached_property
     def _client_headers(self) -> dict[str, str]:
-        """A client ``Authorization`` header with the first configured API key (none without keys)."""
+        """A client ``Authorization`` header with the first configured API key (none without keys);
+        read once (the deployment's configuration does not change)."""
         keys = list(self.cfg.auth.api_keys)
         if not keys and self.cfg.auth.api_key_files:
             from cpd.router.api_keys import parse_key_file
             path = self.cfg.auth.api_key_files[0]
             keys = [k for k, _ in parse_key_file(Path(path).read_text(encoding="utf-8"), path)]
         return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+
+
+def _poll(read, done, timeout_s: float, what: str):
+    """``read()`` every 20 ms until ``done(value)``; returns that value, or raises
+    :class:`DeploymentError` naming ``what`` and the last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done(value := read()):
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"waited {timeout_s} s for {what}; last seen: {value}")
+        time.sleep(0.02)
+    return value
 
 
 def _running(c: Child) -> subprocess.Popen:

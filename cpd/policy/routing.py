@@ -438,16 +438,21 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+def max_cached_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """The most leading blocks of a prompt a request takes from any cache: at least one prompt
+    token is always computed, to produce the first output token's logits (the engine's rule)."""
+    return max(0, (num_prompt_tokens - 1) // block_size)
+
+
 def plan_loads(worker_id: str, match: PrefixMatch, num_prompt_tokens: int, cfg: RoutingConfig,
                cost: CostModel) -> tuple[LoadPlan, Recompute | None]:
     """Load plan for one worker after the load-versus-recompute check, and the segment it
     recomputes instead of loading (None if none).
 
-    At most ``(num_prompt_tokens - 1) // block_size`` blocks are loaded: at least one
-    prompt token is always computed, to produce the first output token's logits.
+    At most :func:`max_cached_blocks` blocks are loaded.
     """
     bs = cfg.block_size
-    cap = max(0, (num_prompt_tokens - 1) // bs)
+    cap = max_cached_blocks(num_prompt_tokens, bs)
     a = min(match.l1.get(worker_id, 0), cap)
     b = min(match.l2.get(worker_id, 0), cap)
     c = min(max(match.l3, match.l3_after.get(worker_id, 0)), cap)
@@ -766,7 +771,7 @@ def _decode_append_candidates(num_prompt_tokens: int, match: PrefixMatch, loads:
     ``delay_to_others_s`` is this append's stall of the running batch."""
     if cfg.decode_append_max_tokens <= 0:
         return []
-    cap = max(0, (num_prompt_tokens - 1) // cfg.block_size)
+    cap = max_cached_blocks(num_prompt_tokens, cfg.block_size)
     out = []
     for w in loads:
         if not (w.healthy and w.role == Role.DECODE and match.l1.get(w.worker_id, 0) > 0):

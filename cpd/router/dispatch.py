@@ -65,7 +65,7 @@ from cpd.messages.handoff import HandoffHandle, HandoffRelease
 from cpd.messages.sampling import SamplingParams
 from cpd.messages.worker_api import AppendRequest, DecodeLine, DecodeRequest, PrefillAnswer, PrefillRequest
 from cpd.policy.routing import NoWorkerError, Overloaded, PrefixMatch, RouteDecision, RoutingConfig, route
-from cpd.policy.routing import pick_decode, work_s
+from cpd.policy.routing import max_cached_blocks, pick_decode, work_s
 from cpd.router.decode_relay import DecodeFailed, relay_decode
 from cpd.router.dispatch_records import RecentRequests, record_prefill
 from cpd.router.estimates import CostEstimates
@@ -166,7 +166,8 @@ class CPDBackend:
         """``allow_raw=False``: no read-after-write (the decision counts visible blocks only);
         ``admit=False``: no admission (rule A6)."""
         hashes = cast(list[BlockHash], hash_blocks(req.prompt_token_ids, self.namespace.with_salt(req.cache_salt)))
-        match = self.index.match(hashes, l3_max_blocks=(len(req.prompt_token_ids) - 1) // self.cfg.block_size)
+        cap = max_cached_blocks(len(req.prompt_token_ids), self.cfg.block_size)
+        match = self.index.match(hashes, l3_max_blocks=cap)
         cfg = self.cfg if allow_append else replace(self.cfg, decode_append_max_tokens=0)
         if not allow_raw:
             cfg = replace(cfg, raw_wait_max_s=0.0)
@@ -193,8 +194,8 @@ class CPDBackend:
         if d.wait_for_l3_s <= 0 or match.l3_pending <= match.l3:
             return d, hashes
         bound_s = min(d.wait_for_l3_s, self.cfg.raw_wait_max_s)
-        run.raw_wait_s, visible = await self._wait_for_l3(hashes, match.l3_pending, bound_s,
-                                                          (len(run.req.prompt_token_ids) - 1) // self.cfg.block_size)
+        cap = max_cached_blocks(len(run.req.prompt_token_ids), self.cfg.block_size)
+        run.raw_wait_s, visible = await self._wait_for_l3(hashes, match.l3_pending, bound_s, cap)
         self.metrics.raw_waits.labels("visible" if visible else "timeout").inc()
         self.metrics.raw_wait_s.observe(run.raw_wait_s)
         d, hashes, _ = self._decide(run.req, run.excluded, allow_append=True, allow_raw=False, admit=False)

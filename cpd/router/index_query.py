@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 
 from cpd.kv.block_hash import Namespace, hash_blocks
+from cpd.policy.routing import max_cached_blocks
 from cpd.router.api_keys import effective_cache_salt
 from cpd.router.index import PrefixIndex
 
@@ -36,6 +37,6 @@ def match_prompt(index: PrefixIndex, namespace: Namespace, query: IndexMatchQuer
     :class:`cpd.policy.routing.PrefixMatch` defines them."""
     salt = effective_cache_salt(tenant, query.cache_salt)
     hashes = hash_blocks(query.prompt_token_ids, namespace.with_salt(salt))
-    m = index.match(hashes, l3_max_blocks=(len(query.prompt_token_ids) - 1) // namespace.block_size)
+    m = index.match(hashes, l3_max_blocks=max_cached_blocks(len(query.prompt_token_ids), namespace.block_size))
     return {"num_blocks": len(hashes), "l1": dict(m.l1), "l2": dict(m.l2), "l3": m.l3,
             "l3_after": dict(m.l3_after), "l3_pending": m.l3_pending}

@@ -34,7 +34,7 @@ from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks_u32le
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
-from cpd.policy.routing import ArrivalRate, Overloaded, RoutingConfig, WorkerLoad, route, work_s
+from cpd.policy.routing import ArrivalRate, Overloaded, RoutingConfig, WorkerLoad, max_cached_blocks, route, work_s
 from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
@@ -464,7 +464,7 @@ class EngineSimulator:
             return
         r = self.reqs[i]
         toks, hashes = self._prompt(r)
-        match = self.index.match(hashes, l3_max_blocks=(len(toks) - 1) // self.bs, now_s=now)
+        match = self.index.match(hashes, l3_max_blocks=max_cached_blocks(len(toks), self.bs), now_s=now)
         try:
             d = route(len(toks), match, self._loads(), self.c.routing, self._router_cost())
         except Overloaded:
