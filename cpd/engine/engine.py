@@ -535,6 +535,12 @@ class Engine:
         d["queued_prefill_tokens"] += self._pending_prefill_tokens
         return d
 
+    def preemption_stats(self) -> dict[str, int]:
+        """Preemptions under KV-pool pressure so far: ``swapped`` (KV copied out and back,
+        :meth:`_swap_out`) and ``recomputed`` (past ``swap_space_bytes``: re-prefilled)."""
+        return {"swapped": self.num_swapped_preemptions,
+                "recomputed": self.num_preemptions - self.num_swapped_preemptions}
+
     def pool_stats(self) -> dict:
         """L1 :meth:`KVPool.stats` plus ``l2_*`` host pool stats."""
         d = self.pool.stats()

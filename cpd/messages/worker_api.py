@@ -236,7 +236,8 @@ class WorkerHealth(msgspec.Struct, frozen=True):
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Answer of ``GET /load``: load figures the router routes by, plus accounting for
     operators and tests (``pool``: L1/L2 pool stats; ``handoff`` / ``handoff_received``: the
-    handoff sender's and receiver's stats; ``fallbacks``: connector fallback counts)."""
+    handoff sender's and receiver's stats; ``fallbacks``: connector fallback counts;
+    ``preemptions``: preemptions under KV-pool pressure, ``swapped`` / ``recomputed``)."""
 
     role: Role
     worker_id: str
@@ -249,6 +250,7 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     handoff: dict[str, Any] | None = None
     handoff_received: dict[str, Any] | None = None
     fallbacks: dict[str, int] = {}
+    preemptions: dict[str, int] = {}
     health: WorkerHealth = WorkerHealth()
 
 

@@ -346,7 +346,7 @@ def load_report(st: WorkerState) -> LoadReport:
                       pool=st.engine.pool_stats(), handoff=st.sender.stats() if st.sender else None,
                       handoff_received=st.receiver.stats() if st.receiver else None,
                       fallbacks=dict(getattr(st.connector, "fallback_counts", {}) or {}),
-                      health=msgspec.convert(st.runner.health(), WorkerHealth))
+                      preemptions=st.engine.preemption_stats(), health=msgspec.convert(st.runner.health(), WorkerHealth))
 
 
 async def _prefill(st: WorkerState, body: PrefillRequest, request: Request):
