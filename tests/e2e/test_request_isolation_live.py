@@ -7,6 +7,10 @@
   ``CPD_FAULT_*``, read by the real worker processes at start) gets an OpenAI error; the
   requests around it, in its batch too, get their oracle tokens; sent again and again it never
   takes its worker out. (An engine that fails, not a request: ``test_engine_failover.py``.)
+
+The deployment runs float32: the greedy requests share steps with the others, and in the
+ordinary mode only float32 keeps a request's tokens whatever ran beside it (docs/architecture.md,
+correctness oracle; bf16, ``auto`` on CPUs with AVX512-BF16/AMX, flips a greedy token now and then).
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ def _wait_for(predicate, timeout_s: float, what: str):
 
 @pytest.fixture(scope="module")
 def dep(tiny_model_dir):
-    d = start(tiny_model_dir, "cpd", extra_env={SAMPLE_ERROR_ENV: SAMPLE_FAULT_SEED, STEP_ERROR_ENV: STEP_FAULT_SEED})
+    d = start(tiny_model_dir, "cpd", extra_env={SAMPLE_ERROR_ENV: SAMPLE_FAULT_SEED, STEP_ERROR_ENV: STEP_FAULT_SEED},
+              settings={"engine.dtype": "float32"})
     yield d
     d.stop()
 
@@ -67,7 +72,7 @@ def oracle(tiny_model_dir):
     def get(prompt):
         key = tuple(prompt)
         if key not in cache:
-            cache[key] = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS)
+            cache[key] = oracle_tokens(tiny_model_dir, prompt, MAX_TOKENS, dtype="float32")
         return cache[key]
     return get
 
