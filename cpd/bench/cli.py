@@ -57,6 +57,19 @@ def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: in
     return type(v)(v.size, tuple(sorted(set(v.special_ids) | set(extra))), v.source) if extra else v
 
 
+def _server_card(url: str, model: str | None, api_key: str | None) -> dict[str, Any]:
+    """The served model's card from ``GET {url}/v1/models``; a server that cannot be reached, refuses
+    the key or answers something else is a clear ``--url`` error, not a traceback."""
+    import httpx
+
+    from . import client as bc
+
+    try:
+        return bc.pick_model(bc.fetch_models(url, api_key=api_key), model)
+    except (httpx.HTTPError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise typer.BadParameter(f"{url}/v1/models: {type(e).__name__}: {e}", param_hint="--url") from None
+
+
 def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_hash_id: Optional[int] = None,
               time_scale: float = 1.0, max_requests: Optional[int] = None, start: int = 0, seed: int = 0,
               max_prompt_tokens: Optional[int] = None, max_output_tokens: Optional[int] = None,
@@ -88,17 +101,16 @@ def run_bench(*, url: str, trace: Path, model: Optional[str] = None, tokens_per_
     from . import report
 
     console = console or Console()
-    cards = bc.fetch_models(url, api_key=api_key)
-    card = bc.pick_model(cards, model)
+    try:
+        tr = read_trace(trace)
+    except ValueError as e:  # TraceFormatError: file, line, what was expected
+        raise typer.BadParameter(str(e), param_hint="--trace") from None
+    card = _server_card(url, model, api_key)
     vocab = resolve_vocab(card, tokenizer=tokenizer, vocab_size=vocab_size, special_ids=special_ids)
     if context_len is None and isinstance(card.get("max_model_len"), int):
         context_len = card["max_model_len"]
     if context_len is not None and context_len <= 0:
         context_len = None  # --context-len 0: no context cap
-    try:
-        tr = read_trace(trace)
-    except ValueError as e:  # TraceFormatError: file, line, what was expected
-        raise typer.BadParameter(str(e), param_hint="--trace") from None
     opts = ReplayOptions(tokens_per_block=tokens_per_hash_id, seed=seed, time_scale=time_scale / time_dilation,
                          spread_ticks=spread_ticks, users=users, session_rate=session_rate,
                          shared_prefix_fraction=shared_prefix_fraction, azure_prefix_tokens=azure_prefix_tokens,
@@ -228,7 +240,10 @@ def compare_cmd(files: List[Path] = typer.Argument(..., exists=True, dir_okay=Fa
     """Print results side by side (e.g. ``pd`` vs ``cpd``)."""
     from .report import compare
 
-    docs = compare(files, plot=plot)
+    try:
+        docs = compare(files, plot=plot)
+    except ValueError as e:  # load_results: which file is not a results file, and why
+        raise typer.BadParameter(str(e), param_hint="FILES") from None
     if as_json:
         typer.echo(json.dumps({d["label"]: d["summary"] for d in docs}, indent=1))
 

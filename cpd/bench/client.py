@@ -51,7 +51,8 @@ def fetch_models(url: str, *, timeout_s: float = 30.0, api_key: str | None = Non
     r = httpx.get(f"{base_url(url)}/v1/models", timeout=timeout_s, headers=_headers(api_key),
                   trust_env=trust_env)
     r.raise_for_status()
-    data = r.json().get("data")
+    body = r.json()
+    data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
         raise ValueError(f"{url}/v1/models: no 'data' list in response")
     return data

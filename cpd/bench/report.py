@@ -131,12 +131,17 @@ def write_results(path: str | Path, config: dict[str, Any], summary: dict[str, A
 
 def load_results(path: str | Path) -> dict[str, Any]:
     """Read a results JSON; ``records`` become ``RequestRecord`` objects; adds ``label`` (the
-    config's ``label`` or the file stem). Raises ``ValueError`` if it is not a results file."""
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(doc, dict) or "summary" not in doc:
-        raise ValueError(f"{path}: not a cpd bench results file")
-    doc["records"] = [RequestRecord.from_dict(d) for d in doc.get("records", [])]
-    doc["label"] = (doc.get("config") or {}).get("label") or Path(path).stem
+    config's ``label`` or the file stem). Raises ``ValueError`` naming the file if it is not a
+    results file (not JSON, truncated, or without the summary and records ``cpd bench`` writes)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        if not isinstance(doc, dict) or not isinstance(doc.get("summary"), dict):
+            raise ValueError("no summary object")
+        _rows(doc["summary"])  # every figure compare prints is there
+        doc["records"] = [RequestRecord.from_dict(d) for d in doc.get("records", [])]
+        doc["label"] = (doc.get("config") or {}).get("label") or Path(path).stem
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a cpd bench results file ({type(e).__name__}: {e})") from None
     return doc
 
 
