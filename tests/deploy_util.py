@@ -114,14 +114,22 @@ def random_prompt(seed: int, n: int) -> list[int]:
 def oracle_tokens(model_dir: str, prompt: list[int], max_tokens: int, dtype: str = "auto",
                   batch_invariant: bool = False) -> list[int]:
     """Greedy tokens of one plain in-process engine running the prompt alone (docs/architecture.md oracle),
-    at the dtype the deployed workers run (``engine.dtype``, default auto) and in their mode
-    (``engine.batch_invariant``)."""
+    at the dtype the deployed workers run (``engine.dtype``, default auto), in their mode
+    (``engine.batch_invariant``) and on one torch thread, as :func:`start` runs them (a BLAS may split
+    a call's sum among threads, so the thread count can change the last bits in the ordinary mode)."""
+    import torch
+
     from cpd.engine.dtype import resolve_dtype
     from cpd.engine.engine import Engine
     from cpd.engine.sampling import SamplingParams
     num_blocks = max(64, -(-(len(prompt) + max_tokens) // 16) + 1)  # room for the whole sequence
-    return Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype), batch_invariant=batch_invariant).generate(
-        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model_dir, num_blocks=num_blocks, dtype=resolve_dtype(dtype), batch_invariant=batch_invariant)
+        return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def signal_pid(pid: int, sig) -> None:
