@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
-from deploy_util import assert_no_leaks, complete, routing_record, start
+from deploy_util import assert_no_leaks, complete, oracle_tokens, routing_record, start
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +25,12 @@ def real_dep():
 
 
 def test_real_model_oracle(real_dep):
-    from cpd.engine.engine import Engine
-    from cpd.engine.sampling import SamplingParams
     from cpd.router.tokenization import load_tokenizer
 
     tok = load_tokenizer(real_dep.model_dir)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in two sentences why the sea is salty. "
                                                                   "Mention rivers and rocks."}])
-    expected = Engine(real_dep.model_dir, num_blocks=32, dtype=torch.float32).generate(
-        prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    expected = oracle_tokens(real_dep.model_dir, prompt, 16, dtype="float32")
 
     paths = []
     for step in ("cold", "l3", "l1"):
