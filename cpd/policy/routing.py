@@ -640,6 +640,16 @@ class _Candidate:
     est: CandidateEstimate
 
 
+QUEUE_RESOLUTION_S = 1e-6
+"""Rule A3's hopeless spill needs a prefill worker with *nothing queued*: queued work below this
+(seconds) counts as nothing. The live router and the simulator keep ``queued_prefill_s`` as a
+running sum (a request's estimate added at dispatch, subtracted at its first token), which leaves
+float residue on an idle worker (1.5e-16 s in the simulator's agent cell cold 0.15 / TTFT 1 s);
+compared exactly, it refused the hopeless spill to any worker whose sum had left a positive
+residue (docs/sim_results/adaptive_grid/session17/). A microsecond is far above the residue and far
+below any prefill step. (Only this test uses it: elsewhere the residue only breaks exact ties.)"""
+
+
 def _queue_s(w: WorkerLoad, cost: CostModel) -> float:
     """Queued work ahead of a new request on ``w`` (seconds): the caller's per-request sum when it
     tracks one, else the queued tokens priced as one sequence."""
@@ -700,17 +710,17 @@ def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], ho
     A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
     gains no goodput and only delays short work: it stays home, unless home would make it wait
     more than :data:`HOPELESS_WAIT_FACTOR` times its own work (``home_wait_s``), when it may take
-    a prefill worker with nothing queued (short work arriving next then waits at most this one
-    request). Without that bound it stayed behind a pre-prefill queue of any length while a
-    prefill worker idled (a live trial: TTFT up to 36 s, the prefill worker idle), and only while
-    it is expected to push less than one short request past the SLO
+    a prefill worker with nothing queued (below :data:`QUEUE_RESOLUTION_S`; short work arriving
+    next then waits at most this one request). Without that bound it stayed behind a pre-prefill
+    queue of any length while a prefill worker idled (a live trial: TTFT up to 36 s, the prefill
+    worker idle), and only while it is expected to push less than one short request past the SLO
     (:func:`_short_misses_expected`): it gains no goodput, so it may cost none; with no short
     traffic (the live trial) it still spills."""
     waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
     if min(waits) <= cfg.ttft_slo_s:
         return True
     return c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
-        and min(waits) <= c.est.own_s and _short_misses_expected(c, prefill_pool, cfg) < 1.0
+        and min(waits) <= c.est.own_s + QUEUE_RESOLUTION_S and _short_misses_expected(c, prefill_pool, cfg) < 1.0
 
 
 def _short_misses_expected(c: _Candidate, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:

@@ -190,6 +190,20 @@ def test_work_longer_than_the_slo_takes_an_idle_prefill_worker_past_a_hopeless_h
         assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME, (pp_q, p_q)
 
 
+def test_float_residue_of_a_running_queue_sum_is_nothing_queued():
+    """The live router and the simulator keep queued_prefill_s as a running sum (+ at dispatch, - at
+    the first token); an idle worker is left with float residue (1.5e-16 s in the simulator). The
+    hopeless spill of the test above needs a prefill worker with nothing queued: the residue must
+    not refuse it (it did wherever the residue was positive: the request stayed home)."""
+    for residue in (1.5e-16, 1e-12, -1e-12):
+        ws = [_w("pp0", Role.PRE_PREFILL, 13.0), _w("p0", Role.PREFILL, residue), _w("d0", Role.DECODE)]
+        d = route(3000, PrefixMatch(), ws, CFG, COST)
+        assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p0", DecisionReason.SPILL_COLD), residue
+    busy = route(3000, PrefixMatch(), [_w("pp0", Role.PRE_PREFILL, 13.0), _w("p0", Role.PREFILL, 1e-3),
+                                       _w("d0", Role.DECODE)], CFG, COST)
+    assert (busy.pool, busy.reason) == (Role.PRE_PREFILL, DecisionReason.HOME)
+
+
 def test_work_longer_than_the_slo_spills_only_where_it_pushes_less_than_one_short_request_past_the_slo():
     """The hopeless spill above gains no goodput (3 s of own work misses a 2 s SLO anywhere), and
     on the only prefill worker it holds every short request arriving in its first 3 - 2 = 1 s past
