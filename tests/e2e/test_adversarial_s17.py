@@ -10,6 +10,11 @@ Findings:
   traceback. ``cpd analyze`` and ``cpd simulate`` already said "file:line: expected ...; got ...".
   Now the trace is read first and each of these is a one-paragraph usage error (exit 2) naming the
   URL or the file and what was wrong.
+- Chat options of OpenAI's own API that change the answer were silently ignored (session 16 closed
+  this for vLLM's extensions): ``modalities: ["audio"]`` / ``["text", "audio"]`` and ``audio:
+  {"voice", "format"}`` (an audio answer asked for) and ``web_search_options`` (the answer is to use
+  a web search) got 200 with a plain text answer, through the official ``openai`` client too. They
+  are now 400s naming the field unless neutral (``modalities: ["text"]``, null).
 
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
@@ -25,7 +30,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
+
+from deploy_util import start
 
 CPD = [sys.executable, "-m", "cpd.cli"]
 
@@ -103,3 +111,37 @@ def test_bench_compare_on_a_file_that_is_not_a_results_file_is_a_clear_error(tmp
     bad.write_text(content)
     r = _cpd("bench", "compare", str(bad))
     _assert_clear_usage_error(r, "bad.json", "not a cpd bench results file")
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model_dir):
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(dep):
+    with openai.OpenAI(base_url=f"{dep.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field,value", [("modalities", ["audio"]), ("modalities", ["text", "audio"]),
+                                         ("audio", {"voice": "alloy", "format": "wav"}),
+                                         ("web_search_options", {}),
+                                         ("web_search_options", {"search_context_size": "high"})])
+def test_openai_output_options_the_server_does_not_give_are_refused(dep, client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=dep.model_name, messages=CHAT, max_tokens=2,
+                                       extra_body={field: value})
+    assert e.value.status_code == 400
+    assert field in str(e.value.body)
+
+
+@pytest.mark.parametrize("field,value", [("modalities", ["text"]), ("audio", None), ("web_search_options", None)])
+def test_their_neutral_values_are_served(dep, client, field, value):
+    r = client.chat.completions.create(model=dep.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
+    assert r.usage.completion_tokens == 2

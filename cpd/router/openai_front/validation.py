@@ -90,6 +90,8 @@ UNSUPPORTED_CHAT_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "echo": (False,), "documents": ([],), "functions": ([],),
     "function_call": ("none",),
+    # OpenAI's output modalities and built-in tools: audio output, web search
+    "modalities": (["text"],), "audio": (), "web_search_options": (),
 }
 UNSUPPORTED_COMPLETIONS_EXTENSIONS: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
 
