@@ -16,7 +16,11 @@ request parsing; beyond ``max_per_s`` registrations per second (all workers toge
 worker re-registers every few seconds) the router answers 429 before checking the signature, so a
 storm costs bounded CPU. A known ``worker_id`` at a new address (the worker moved or restarted
 elsewhere) replaces the old address once the new one passes the same check (until then the
-known worker is left as it was); its index entries are dropped and rebuilt. At most
+known worker is left as it was), and not while the old address still answers as that worker id
+with another boot id (two live processes with one id: 409 ``duplicate_worker_id``); so does a
+known worker registering with another kind of role (decode <-> prefill side). A registration
+whose address answers as another worker id is refused. A moved worker's index entries are
+dropped and rebuilt. At most
 ``max_workers`` distinct workers are kept (429 beyond).
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Literal
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -85,10 +90,9 @@ async def register(router: "Router", reg: Registration, max_workers: int = DEFAU
             return JSONResponse({"worker_id": reg.worker_id, "state": known.state, "known": True})
     elif known is None and len(router.workers.by_id) >= max_workers:
         return _error(429, f"the router holds {max_workers} workers already", "too_many_workers")
-    if known is not None and (known.url, known.events_endpoint) != (reg.url, reg.events_endpoint):
-        refused = await _check_new_address(router, reg)
-        if refused is not None:  # the known worker stays where it is, routed to as before
-            return refused
+    refused = await _check_candidate(router, reg, known)
+    if refused is not None:  # a known worker stays where it is, routed to as before
+        return refused
     w = _upsert(router, reg, known)
     ok = await router._admit(w)
     if not ok:
@@ -97,18 +101,62 @@ async def register(router: "Router", reg: Registration, max_workers: int = DEFAU
     return JSONResponse({"worker_id": reg.worker_id, "state": w.state, "known": known is not None})
 
 
-async def _check_new_address(router: "Router", reg: Registration) -> JSONResponse | None:
-    """A known worker registering at a new address is moved only once that address passes the
-    compatibility check (a stand-in is checked, the known worker untouched): a registration
-    whose address does not answer, or answers for an incompatible worker, would otherwise take
-    a healthy worker out of routing. None: move it; else the 409 answer."""
+def _changes_identity(known: WorkerInfo, reg: Registration) -> bool:
+    """A registration that would move ``known`` to another address or give it another kind of
+    role (decode <-> prefill side; a prefill-side swap is an elastic role change)."""
+    sides = {"pre-prefill", "prefill"}
+    return (known.url, known.events_endpoint) != (reg.url, reg.events_endpoint) or \
+        (known.role != reg.role and not {known.role, reg.role} <= sides)
+
+
+async def _check_candidate(router: "Router", reg: Registration, known: WorkerInfo | None) -> JSONResponse | None:
+    """Check a registration before it changes anything: the worker answering at its address must
+    be the one it names (a registration naming another worker's address would make one process
+    two workers, or take the named one out); a known worker is moved to another address or role
+    only once that address passes the compatibility check, and not while the known address still
+    answers as that worker id with another boot id (two live processes with one id: each
+    re-registration moved it back and forth, and its index with it). None: go on; else the 409."""
     probe = WorkerInfo(reg.worker_id, reg.role, reg.url, reg.events_endpoint)
-    if await compat.admit(router._http(), probe, router.requirements, on_role_swap=lambda w, role: None):
+    info: dict | None = None
+    reason: str | None = None
+    code = "worker_refused"
+    try:
+        info = await compat.fetch_info(router._http(), probe)
+    except (httpx.HTTPError, ValueError) as e:
+        if known is None:  # a new worker: admitted once it answers (router._admit, the poller)
+            return None
+        reason = f"unreachable for GET /info ({type(e).__name__})"
+    if info is not None:
+        incompatible = compat.refusal_reason(info, reg.role, router.requirements)
+        if known is None and incompatible is not None:
+            return None  # recorded as a refused worker by router._admit, as any incompatible one
+        reason = incompatible if known is not None and _changes_identity(known, reg) else None
+        if reason is None and info.get("worker_id") != reg.worker_id:
+            reason = f"the worker answering there is {info.get('worker_id')!r}"
+        if reason is None and known is not None and _changes_identity(known, reg):
+            reason = await _live_twin(router, known, reg, info)
+            code = "duplicate_worker_id"
+    if reason is None:
         return None
-    log.warning("worker %s: registration at %s refused, kept at %s (%s)", reg.worker_id, reg.url,
-                router.workers.by_id[reg.worker_id].url, probe.refusal_reason or "unreachable")
-    return _error(409, f"worker {reg.worker_id} refused at {reg.url}: "
-                       f"{probe.refusal_reason or 'unreachable for GET /info'}", "worker_refused")
+    log.warning("worker %s: registration at %s (%s) refused%s: %s", reg.worker_id, reg.url, reg.role,
+                f", kept at {known.url} ({known.role})" if known is not None else "", reason)
+    return _error(409, f"worker {reg.worker_id} refused at {reg.url}: {reason}", code)
+
+
+async def _live_twin(router: "Router", known: WorkerInfo, reg: Registration, info: dict) -> str | None:
+    """Why ``known`` may not move: its address still answers as the same worker id with another
+    boot id than the registering process's ``info``. None when that address does not answer, is
+    another worker now, or is the same process (one boot id reached at another address)."""
+    if known.url == reg.url:  # same address: the registering process answered there
+        return None
+    try:
+        there = await compat.fetch_info(router._http(), known)
+    except (httpx.HTTPError, ValueError):
+        return None
+    if there.get("worker_id") != known.worker_id or there.get("boot_id") == info.get("boot_id"):
+        return None
+    return (f"worker id {known.worker_id!r} is in use by a live worker at {known.url} "
+            f"(boot id {there.get('boot_id')}); give this worker another --worker-id or stop that one")
 
 
 def _upsert(router: "Router", reg: Registration, known: WorkerInfo | None) -> WorkerInfo:

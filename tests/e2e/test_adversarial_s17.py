@@ -16,6 +16,22 @@ Findings:
   a web search) got 200 with a plain text answer, through the official ``openai`` client too. They
   are now 400s naming the field unless neutral (``modalities: ["text"]``, null).
 
+- Registration (``POST /cpd/register``, signed with the internal secret: a misconfigured or
+  copy-pasted ``cpd worker`` command line, not an outsider) trusted the registration over the
+  worker answering at its address. (a) A second live process started with a known worker's id at
+  another address (``cpd worker --worker-id p0 ...`` twice) moved ``p0`` to it, and the first
+  process's periodic re-registration moved it back: live, ``p0`` flapped 29 times in 60 s between
+  the two processes, each move dropping its index entries; with ``--role decode`` the second one
+  turned the prefill worker ``p0`` into a decode worker every other time. (b) A registration of a
+  known prefill worker as ``decode`` at its own address changed its role before checking it, the
+  check then refused it: one bad registration took a healthy worker out of routing. (c) A
+  registration naming another worker's address was accepted: ``p1`` at ``p0``'s address made one
+  process two workers, and ``d0`` (decode) at ``p0``'s address took the only decode worker out
+  (every request 503). Now the router checks before it changes anything: the worker answering at
+  the address must report the registered id; a known worker moves to another address or kind of
+  role only once the new address passes the compatibility check and while its old address does not
+  still answer as that id with another boot id (409 ``duplicate_worker_id``, naming the live one).
+
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
 1e400 timestamps, float hash ids, decreasing timestamps, empty / blank / binary files, CSV with a
@@ -30,10 +46,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from deploy_util import start
+from cpd.auth import SignedAuth
+from cpd.deploy import free_port
+from deploy_util import complete, oracle_tokens, random_prompt, start
+
+SECRET = "adversarial-s17-secret"
 
 CPD = [sys.executable, "-m", "cpd.cli"]
 
@@ -115,7 +136,7 @@ def test_bench_compare_on_a_file_that_is_not_a_results_file_is_a_clear_error(tmp
 
 @pytest.fixture(scope="module")
 def dep(tiny_model_dir):
-    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1)
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1, internal_secret=SECRET)
     yield d
     d.stop()
 
@@ -145,3 +166,73 @@ def test_openai_output_options_the_server_does_not_give_are_refused(dep, client,
 def test_their_neutral_values_are_served(dep, client, field, value):
     r = client.chat.completions.create(model=dep.model_name, messages=CHAT, max_tokens=2, extra_body={field: value})
     assert r.usage.completion_tokens == 2
+
+
+def _workers(dep) -> dict:
+    return httpx.get(f"{dep.url}/cpd/workers", timeout=10).json()
+
+
+def _register(dep, **reg) -> httpx.Response:
+    return httpx.post(f"{dep.url}/cpd/register", auth=SignedAuth(SECRET.encode()), json=reg, timeout=30)
+
+
+def _events(dep, worker_id: str) -> str:
+    return next(w["events_endpoint"] for w in dep.workers if w["worker_id"] == worker_id)
+
+
+def _assert_in_place_and_serving(dep, before: dict) -> None:
+    after = _workers(dep)
+    assert set(after) == set(before), after
+    for wid, b in before.items():
+        a = after[wid]
+        assert (a["url"], a["role"], a["state"], a["healthy"]) == (b["url"], b["role"], "accepted", True), (wid, a)
+    prompt = random_prompt(17, 40)
+    assert complete(dep, prompt, 6)["choices"][0]["token_ids"] == oracle_tokens(dep.model_dir, prompt, 6)
+
+
+@pytest.mark.parametrize("worker_id,role", [("p1", "prefill"), ("d0", "prefill")])
+def test_a_registration_naming_another_workers_address_is_refused(dep, worker_id, role):
+    before = _workers(dep)
+    p0 = before["p0"]["url"]
+    r = _register(dep, worker_id=worker_id, role=role, url=p0, events_endpoint=_events(dep, "p0"))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "worker_refused", r.text
+    assert "'p0'" in r.json()["error"]["message"]
+    _assert_in_place_and_serving(dep, before)
+
+
+def test_a_known_worker_registering_as_another_kind_of_role_is_refused_and_left_in_place(dep):
+    before = _workers(dep)
+    r = _register(dep, worker_id="p0", role="decode", url=before["p0"]["url"], events_endpoint=_events(dep, "p0"))
+    assert r.status_code == 409, r.text
+    _assert_in_place_and_serving(dep, before)
+
+
+def test_a_second_live_process_with_a_known_worker_id_is_refused(dep, tmp_path):
+    """A real second ``cpd worker --worker-id p0`` (as decode) beside the live ``p0``: its own
+    registrations and one signed here are refused with ``duplicate_worker_id``; ``p0`` stays."""
+    import os
+    import time
+
+    before = _workers(dep)
+    port, events_port = free_port(), free_port()
+    log_path = tmp_path / "twin.log"
+    with open(log_path, "w") as log_file:
+        twin = subprocess.Popen([sys.executable, "-m", "cpd.worker.main", "--role", "decode", "--worker-id", "p0",
+                                 "--host", "127.0.0.1", "--port", str(port), "--events-port", str(events_port),
+                                 "--config", str(dep.worker_config_path), "--torch-threads", "1",
+                                 "--router", dep.url],
+                                stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "CPD_INTERNAL_SECRET": SECRET})
+    try:
+        deadline = time.monotonic() + 60
+        while "duplicate_worker_id" not in log_path.read_text() and "worker_refused" not in log_path.read_text():
+            assert twin.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        r = _register(dep, worker_id="p0", role="decode", url=f"http://127.0.0.1:{port}",
+                      events_endpoint=f"tcp://127.0.0.1:{events_port}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate_worker_id", r.text
+        assert before["p0"]["url"] in r.json()["error"]["message"]
+        _assert_in_place_and_serving(dep, before)
+    finally:
+        twin.terminate()
+        twin.wait(30)
