@@ -125,8 +125,10 @@ async def apply_role_change(client: httpx.AsyncClient, workers: WorkerSet, worke
         msg = f"changing {worker_id} to {to_role} failed: {e!r}"
         log.error("role change: %s", msg)
         return False, msg
-    change = workers.set_role(worker_id, ans.to_role, reason)
-    return True, "changed" if change is not None else f"already {ans.to_role}"
+    workers.set_role(worker_id, ans.to_role, reason)
+    # the worker's answer says whether it changed: a worker started with --router re-registers
+    # with its new role at once, and that registration may reach the router's view first
+    return True, "changed" if ans.from_role != ans.to_role else f"already {ans.to_role}"
 
 
 __all__ = ["ElasticRoles", "RoleAssignment", "apply_role_change"]

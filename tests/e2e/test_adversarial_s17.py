@@ -31,6 +31,11 @@ Findings:
   the address must report the registered id; a known worker moves to another address or kind of
   role only once the new address passes the compatibility check and while its old address does not
   still answer as that id with another boot id (409 ``duplicate_worker_id``, naming the live one).
+- ``POST /cpd/role`` on a worker started with ``--router`` answered ``"result": "already
+  pre-prefill"`` for a change it had just made (4 of 5 changes live): the worker re-registers with
+  its new role as soon as it changes, and that registration reached the router's view before the
+  role endpoint's own update (recorded with the registration's reason, not "forced via POST
+  /cpd/role"). The result now comes from the worker's answer (``from_role`` vs ``to_role``).
 
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
@@ -44,6 +49,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -210,19 +216,9 @@ def test_a_known_worker_registering_as_another_kind_of_role_is_refused_and_left_
 def test_a_second_live_process_with_a_known_worker_id_is_refused(dep, tmp_path):
     """A real second ``cpd worker --worker-id p0`` (as decode) beside the live ``p0``: its own
     registrations and one signed here are refused with ``duplicate_worker_id``; ``p0`` stays."""
-    import os
-    import time
-
     before = _workers(dep)
-    port, events_port = free_port(), free_port()
     log_path = tmp_path / "twin.log"
-    with open(log_path, "w") as log_file:
-        twin = subprocess.Popen([sys.executable, "-m", "cpd.worker.main", "--role", "decode", "--worker-id", "p0",
-                                 "--host", "127.0.0.1", "--port", str(port), "--events-port", str(events_port),
-                                 "--config", str(dep.worker_config_path), "--torch-threads", "1",
-                                 "--router", dep.url],
-                                stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, "CPD_INTERNAL_SECRET": SECRET})
+    twin, port, events_port = _spawn_worker(dep, "decode", "p0", log_path)
     try:
         deadline = time.monotonic() + 60
         while "duplicate_worker_id" not in log_path.read_text() and "worker_refused" not in log_path.read_text():
@@ -236,3 +232,42 @@ def test_a_second_live_process_with_a_known_worker_id_is_refused(dep, tmp_path):
     finally:
         twin.terminate()
         twin.wait(30)
+
+
+def _spawn_worker(dep, role: str, worker_id: str, log_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """A ``cpd worker --router`` process joining ``dep`` (as a worker on another host would)."""
+    port, events_port = free_port(), free_port()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "cpd.worker.main", "--role", role, "--worker-id", worker_id,
+                                 "--host", "127.0.0.1", "--port", str(port), "--events-port", str(events_port),
+                                 "--config", str(dep.worker_config_path), "--torch-threads", "1",
+                                 "--router", dep.url],
+                                stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "CPD_INTERNAL_SECRET": SECRET})
+    return proc, port, events_port
+
+
+def _change_role(dep, worker_id: str, role: str) -> dict:
+    r = httpx.post(f"{dep.url}/cpd/role", auth=SignedAuth(SECRET.encode()), timeout=30,
+                   json={"worker_id": worker_id, "role": role})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_role_change_of_a_registered_worker_is_reported_as_a_change(dep, tmp_path):
+    """Runs last: the joined worker leaves the module deployment with one worker it no longer has.
+    A worker started with ``--router`` re-registers with its new role as soon as it changes, and
+    that registration reached the router's view before ``POST /cpd/role``'s own update: the
+    answer said ``already pre-prefill`` for a change it had just made (4 of 5 changes live)."""
+    proc, _, _ = _spawn_worker(dep, "prefill", "p9", tmp_path / "p9.log")
+    try:
+        deadline = time.monotonic() + 60
+        while _workers(dep).get("p9", {}).get("state") != "accepted":
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "p9.log").read_text()[-3000:]
+            time.sleep(0.2)
+        for role in ["pre-prefill", "prefill", "pre-prefill", "prefill"]:
+            assert _change_role(dep, "p9", role) == {"worker_id": "p9", "role": role, "result": "changed"}
+        assert _change_role(dep, "p9", "prefill")["result"] == "already prefill"
+    finally:
+        proc.terminate()
+        proc.wait(30)
