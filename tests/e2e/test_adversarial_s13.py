@@ -172,11 +172,22 @@ def test_a_stopped_sender_during_the_tcp_fetch_fails_neither_its_request_nor_oth
     dep = tcp_dep
     url, auth = dep.url, dep.internal_client_auth()
     body = {"model": dep.model_name, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    # the only decode slot (max_decode_per_worker=1) is held by a long decode: the victim's staging waits
-    hog = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
-                           kwargs={"json": dict(body, prompt=random_prompt(10, 20), max_tokens=600), "timeout": 120})
+    # the only decode slot (max_decode_per_worker=1) is held by a long streamed decode until the test lets it
+    # go (hang-up: the router aborts it): the victim's staging waits for the slot however fast the hog decodes
+    hog_decoding, release_hog = threading.Event(), threading.Event()
+
+    def hog_stream() -> None:
+        hog_body = dict(body, prompt=random_prompt(10, 20), max_tokens=1900, stream=True)
+        with httpx.stream("POST", f"{url}/v1/completions", json=hog_body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    hog_decoding.set()
+                if release_hog.is_set() or line == "data: [DONE]":
+                    return
+
+    hog = threading.Thread(target=hog_stream)
     hog.start()
-    time.sleep(1.0)
+    assert hog_decoding.wait(60), "the hog's decode never started"
     prompt = random_prompt(99, 100)
     result: dict = {}
 
@@ -198,6 +209,8 @@ def test_a_stopped_sender_during_the_tcp_fetch_fails_neither_its_request_nor_oth
                     break
             time.sleep(0.02)
         assert stopped is not None, "the victim's staging never appeared"
+        assert hog.is_alive(), "the hog finished before the victim's staging was stopped: the test proved nothing"
+        threading.Timer(2.0, release_hog.set).start()  # the slot frees while the bystanders run
         bystanders = []
         while vt.is_alive():  # unrelated requests while the victim's decode waits: none may fail
             r = httpx.post(f"{url}/v1/completions", json=dict(body, prompt=random_prompt(300 + len(bystanders), 30),
@@ -206,6 +219,7 @@ def test_a_stopped_sender_during_the_tcp_fetch_fails_neither_its_request_nor_oth
             time.sleep(1.0)
         hog.join(120)
     finally:
+        release_hog.set()
         if stopped is not None:
             os.kill(dep.pids()[stopped], signal.SIGCONT)
     r = result["victim"]
