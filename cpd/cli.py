@@ -103,7 +103,7 @@ def serve(cfg: Any = None,
     the same way (cpd.liveness). Only Ctrl-C/SIGTERM stops everything (router first, then workers)."""
     import logging
 
-    from cpd.deploy import Deployment
+    from cpd.deploy import Deployment, DeploymentError
 
     cfg.model.dir = _resolve_model(cfg.model.dir)
     _add_api_keys(cfg, api_key, api_key_file)
@@ -129,6 +129,9 @@ def serve(cfg: Any = None,
             time.sleep(0.2)
     except KeyboardInterrupt:
         pass
+    except (DeploymentError, FileNotFoundError) as e:  # a child that cannot start says why (its last lines)
+        typer.echo(f"cpd serve: {e}", err=True)
+        raise typer.Exit(1) from None
     finally:
         stop["started"] = True  # a second signal while stopping must not interrupt the stop
         dep.stop()

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from cpd.auth import AuthSection
 
@@ -127,6 +128,19 @@ class KVSection(Section):
     l3_capacity_bytes: Optional[ByteCount] = Field(
         None, description="L3 store capacity, e.g. 8G (0 = unlimited); unset = the URL's capacity_bytes, "
                           "else sized from the machine (cpd.store.capacity)")
+
+    @field_validator("l3_url")
+    @classmethod
+    def _known_store_scheme(cls, url: str) -> str:
+        """A URL no store opens fails here, not in every worker at start-up (a traceback each)."""
+        from urllib.parse import urlsplit
+
+        from cpd.store import STORE_URL_SCHEMES
+
+        if url and urlsplit(url).scheme not in STORE_URL_SCHEMES:
+            raise ValueError(f"expected an L3 store URL ({', '.join(s + '://' for s in STORE_URL_SCHEMES)}) "
+                             "or empty")
+        return url
 
 
 class HandoffSection(Section):

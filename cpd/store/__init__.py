@@ -46,6 +46,9 @@ def _make_dir(root: str) -> None:
         raise StoreUnavailable(f"file://{root}: {e}") from e
 
 
+STORE_URL_SCHEMES = ("file", "mem", "redis", "rediss", "redis+cluster", "rediss+cluster")  # open_store's
+
+
 def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: int | None = None,
                stale_timeout_s: float | None = None, timeout_s: float | None = None,
                capacity_bytes: int | None = None, watch_evictions: bool | None = None) -> KVStore:
@@ -116,4 +119,4 @@ def open_store(url: str, *, event_sink: EventSink | None = None, chunk_blocks: i
         from cpd.store.redis_store import RedisStore
         db = int(u.path.strip("/") or 0)
         return RedisStore(u.hostname or "127.0.0.1", u.port or 6379, db, **kw)
-    raise ValueError(f"unknown store URL scheme: {url!r}")
+    raise ValueError(f"unknown store URL scheme: {url!r} (known: {', '.join(STORE_URL_SCHEMES)})")

@@ -96,7 +96,10 @@ def _torch_dtype(cfg: Config, executor):
     if executor is not None:
         return None
     from cpd.engine.dtype import resolve_dtype
-    return resolve_dtype(cfg.engine.dtype)
+    try:
+        return resolve_dtype(cfg.engine.dtype)
+    except ValueError as e:  # e.g. float16 on a CPU: this host cannot run it; say so, not a traceback
+        raise SystemExit(f"cpd worker: error: engine.dtype {cfg.engine.dtype}: {e}") from None
 
 
 def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
@@ -106,6 +109,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     from cpd.kv.event_bus import EventPublisher
 
     executor = _executor(cfg)
+    dtype = _torch_dtype(cfg, executor)
     publisher = EventPublisher(f"tcp://{me.host}:{me.events_port}")
     connector = _l3_connector(me, cfg, publisher)
     e = cfg.engine
@@ -114,7 +118,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     engine = Engine(cfg.model.dir, num_blocks=e.num_blocks, block_size=e.block_size,
                     host_kv_bytes=cfg.kv.host_kv_bytes, swap_space_bytes=cfg.kv.swap_space_bytes,
                     scheduler_config=sched, connector=connector,
-                    event_sink=publisher.emit, executor=executor, dtype=_torch_dtype(cfg, executor),
+                    event_sink=publisher.emit, executor=executor, dtype=dtype,
                     batch_invariant=e.batch_invariant,
                     faults=FaultPlan.from_env(worker_id=me.worker_id))  # test-only CPD_FAULT_* variables
     sender = receiver = None
@@ -164,7 +168,10 @@ def _model_name(cfg: Config) -> str:
 def main(argv: list[str] | None = None) -> None:
     me, cfg = parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
-    st = build_state(me, cfg)
+    try:
+        st = build_state(me, cfg)
+    except FileNotFoundError as e:  # no model (or a file it names) where the configuration points
+        raise SystemExit(f"cpd worker: error: {e}") from None
     app = secure_app(build_app(st), st, cfg.auth)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -37,6 +37,14 @@ Findings:
   role endpoint's own update (recorded with the registration's reason, not "forced via POST
   /cpd/role"). The result now comes from the worker's answer (``from_role`` vs ``to_role``).
 
+- ``cpd serve`` / ``cpd worker`` with settings a worker cannot start with ended in tracebacks: an
+  L3 URL no store opens (``--kv-store bogus://x``, a bare path) passed the configuration check and
+  failed in every worker at start-up (``ValueError: unknown store URL scheme`` in a
+  ``DeploymentError`` rich traceback); ``--dtype float16`` on a CPU and a model directory with no
+  weights likewise. The URL's scheme is now checked with the configuration (exit 2, the key and
+  the known schemes); a worker that cannot run the dtype or find the model exits with one line, and
+  ``cpd serve`` prints the worker's reason and exits 1.
+
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
 1e400 timestamps, float hash ids, decreasing timestamps, empty / blank / binary files, CSV with a
@@ -68,6 +76,27 @@ CPD = [sys.executable, "-m", "cpd.cli"]
 def _cpd(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
     return subprocess.run([*CPD, *args], capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "COLUMNS": "200", "TERM": "dumb"})
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return _cpd("serve", "--port", str(_free_port()), "--topology", "pd", "--prefill", "1", *args, timeout_s=120)
+
+
+def test_serve_with_a_store_url_no_store_opens_is_a_configuration_error(tiny_model_dir):
+    r = _serve("--model", tiny_model_dir, "--kv-store", "bogus://x")
+    _assert_clear_usage_error(r, "kv.l3_url", "redis://")
+
+
+def test_serve_with_a_worker_that_cannot_start_says_why_in_one_line(tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("float16 runs on CUDA")
+    for args, why in [(("--model", tiny_model_dir, "--dtype", "float16"), "float16 is supported on CUDA only"),
+                      (("--model", "/nonexistent-model-dir"), "no *.safetensors in /nonexistent-model-dir")]:
+        r = _serve(*args)
+        out = r.stdout + r.stderr
+        assert r.returncode == 1 and "Traceback" not in out and why in out, out[-3000:]
 
 
 def _free_port() -> int:
