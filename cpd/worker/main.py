@@ -102,6 +102,16 @@ def _torch_dtype(cfg: Config, executor):
         raise SystemExit(f"cpd worker: error: engine.dtype {cfg.engine.dtype}: {e}") from None
 
 
+def _event_publisher(publisher_class, endpoint: str):
+    import zmq
+
+    try:
+        return publisher_class(endpoint)
+    except zmq.ZMQError as e:  # e.g. another worker's --events-port (default: --port + 1)
+        raise SystemExit(f"cpd worker: error: cannot publish KV events on {endpoint}: {e}; "
+                         "choose another --events-port") from None
+
+
 def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
     from cpd.engine.engine import Engine
     from cpd.engine.faults import FaultPlan
@@ -110,7 +120,7 @@ def build_state(me: WorkerIdentity, cfg: Config) -> WorkerState:
 
     executor = _executor(cfg)
     dtype = _torch_dtype(cfg, executor)
-    publisher = EventPublisher(f"tcp://{me.host}:{me.events_port}")
+    publisher = _event_publisher(EventPublisher, f"tcp://{me.host}:{me.events_port}")
     connector = _l3_connector(me, cfg, publisher)
     e = cfg.engine
     sched = SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs,
@@ -165,17 +175,26 @@ def _model_name(cfg: Config) -> str:
     return cfg.model.name or os.path.basename(os.path.normpath(cfg.model.dir))
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # in use (another worker's --port), or not an address of this host
+        sock.close()
+        raise SystemExit(f"cpd worker: error: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def main(argv: list[str] | None = None) -> None:
     me, cfg = parse_args(argv)
     logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
+    sock = _bound_socket(me.host, me.port)  # before the model loads: a port in use fails at once
     try:
         st = build_state(me, cfg)
     except FileNotFoundError as e:  # no model (or a file it names) where the configuration points
         raise SystemExit(f"cpd worker: error: {e}") from None
     app = secure_app(build_app(st), st, cfg.auth)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((me.host, me.port))
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
     server = uvicorn.Server(config)
     st.model_name = _model_name(cfg)

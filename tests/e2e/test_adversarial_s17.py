@@ -44,6 +44,9 @@ Findings:
   weights likewise. The URL's scheme is now checked with the configuration (exit 2, the key and
   the known schemes); a worker that cannot run the dtype or find the model exits with one line, and
   ``cpd serve`` prints the worker's reason and exits 1.
+- A ``cpd worker`` whose ``--port`` or ``--events-port`` (default ``--port`` + 1) another process
+  holds ended in a ``ZMQError`` / ``OSError`` traceback, the HTTP one only after loading the
+  model. Both ports are now bound first, with one line naming the address.
 
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
@@ -300,3 +303,23 @@ def test_a_role_change_of_a_registered_worker_is_reported_as_a_change(dep, tmp_p
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("taken", ["port", "events_port"])
+def test_a_worker_whose_port_is_taken_says_so_in_one_line(dep, tiny_model_dir, taken):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        busy = holder.getsockname()[1]
+        ports = {"port": free_port(), "events_port": free_port(), taken: busy}
+        r = subprocess.run([sys.executable, "-m", "cpd.worker.main", "--role", "prefill", "--worker-id", "p8",
+                            "--host", "127.0.0.1", "--port", str(ports["port"]),
+                            "--events-port", str(ports["events_port"]),
+                            "--config", str(dep.worker_config_path), "--torch-threads", "1"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CPD_INTERNAL_SECRET": SECRET})
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "Traceback" not in out, out[-3000:]
+    assert f"127.0.0.1:{busy}" in out and "Address already in use" in out, out[-3000:]
