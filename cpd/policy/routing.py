@@ -602,22 +602,35 @@ the decode-bound agent cell (cold 0, TTFT 1 s) lost 0.06-0.4 % and fell below pd
 seeds instead of 1; with the heavy rule alone that cell and the two cold-0.08 cells are
 unchanged (docs/sim_results/adaptive_grid/below_pd_points/)."""
 
-HOPELESS_WAIT_FACTOR = 4.0
+HOPELESS_WAIT_FACTOR = 2.0
 """A3: a heavy request whose own work exceeds the SLO spills to an idle prefill worker only once
-home would make it wait more than this many times its own work (its TTFT at home is then at most
-about 5x its own work). Such a request misses the SLO anywhere, so a spill gains no goodput and
-delays short work; letting it spill to any idle prefill worker (a factor of 0) cost adaptive 7.7 %
-on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646 QPS/GPU).
+home would make it wait more than this many times its own work (its TTFT at home is then more than
+3x its own work). By the estimate such a request misses the SLO anywhere, so a spill gains it no
+goodput and delays short work; letting it spill to any idle prefill worker (a factor of 0) cost
+adaptive 7.7 % on one seed of the simulator's reference cell (cold 0.08, TTFT 1 s: 0.700 -> 0.646
+QPS/GPU, before the price below), and with the price 23 % on the agent cell cold 0.15 / TTFT 1 s /
+output 400, seed 1 (0.2613 -> 0.2000).
 The factor alone still let such a request onto the only prefill worker while short work kept
 arriving there: on the Claude Code sessions (TTFT 0.5 s, seed 2, 4.0 QPS/GPU) the spills of
 1.0-1.8 s prompts past a 2-13 s pre-prefill queue held the only prefill worker while short work
 arrived at ~12/s (38 of the 39 requests adaptive lost to cpd-static were short ones there; goodput
 0.880 vs 0.911); so the spill also needs the short work it is expected to
 push past the SLO to be under one request (:func:`_short_misses_expected`): 0.925 there, and no
-Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/). It
-prices only the short side: a refused spill also keeps its work in the pre-prefill queue ahead of
-heavy requests that could still meet the SLO: on seed 1 (output 400) adaptive lost 2.7 % at TTFT 1 s
-and 1.9 % at 2 s (still 1.11 and 1.04 of the best other)."""
+Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/).
+It prices only the short side: a refused spill also keeps its work in the pre-prefill queue ahead of
+heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
+without the price at TTFT 2 s, still 1.04 of the best other; the 2.7 % it cost at 1 s came back with
+the residue fix, 4.1356 -> 4.2429 QPS/GPU). The estimate is not the request's time: a router cost
+model fitted to warm turns (the simulator's ``linear`` one: one rate, each token priced as attending
+to ~100 K tokens of context) prices a cold prompt computed from scratch at 1.5-3x its compute, so
+a 75-95 K-token prompt priced at 1.2-1.5 s takes 0.6-0.9 s on an idle worker and meets a 1 s SLO
+there. At the earlier factor of 4 such prompts waited at home behind one other cold prompt and
+missed while the prefill worker idled (agent cell
+cold 0.15 / TTFT 1 s / output 400, seed 3: 0.932 of pd-l3). With 2 (after the residue fix,
+:data:`QUEUE_RESOLUTION_S`): that seed 0.4525 -> 0.4621 QPS/GPU (0.951), cold 0.03 / 0.5 s seed 1
+0.5577 -> 0.6076 (0.980 -> 1.067 of pd-l3), cold 0.08 / 0.5 s seeds 1-2 +2-4 %; 12 other agent,
+Claude Code and Mooncake searches equal, one lower: cold 0.03 / 0.5 s seed 3, 0.6231 -> 0.6213
+(0.976); a factor of 1 lowered the seed-3 cell to 0.4462 (docs/sim_results/adaptive_grid/session17/)."""
 
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the

@@ -177,17 +177,26 @@ def test_heavy_work_spills_to_the_prefill_pool_only_if_short_work_still_fits():
 
 
 def test_work_longer_than_the_slo_takes_an_idle_prefill_worker_past_a_hopeless_home_queue():
-    """A request whose own work (3 s) exceeds the SLO (2 s) misses it anywhere: it stays home
-    behind a queue of up to HOPELESS_WAIT_FACTOR x its own work (12 s), then takes a prefill
-    worker with nothing queued (it stayed behind a pre-prefill queue of any length while the
+    """A request whose own work (3 s) exceeds the SLO (2 s) misses it anywhere by the estimate: it
+    stays home behind a queue of up to HOPELESS_WAIT_FACTOR x its own work (6 s), then takes a
+    prefill worker with nothing queued (it stayed behind a pre-prefill queue of any length while the
     prefill worker idled), never a busy one."""
-    assert HOPELESS_WAIT_FACTOR * 3.0 == 12.0
+    assert HOPELESS_WAIT_FACTOR * 3.0 == 6.0
     hopeless = route(3000, PrefixMatch(), _cluster(pp=(13.0,), p=(0.0,)), CFG, COST)
     assert (hopeless.pool, hopeless.prefill_worker, hopeless.reason) == (Role.PREFILL, "p0",
                                                                         DecisionReason.SPILL_COLD)
-    for pp_q, p_q in ((10.0, 0.0), (13.0, 0.5), (600.0, 0.5), (0.0, 0.0)):
+    for pp_q, p_q in ((5.0, 0.0), (13.0, 0.5), (600.0, 0.5), (0.0, 0.0)):
         d = route(3000, PrefixMatch(), _cluster(pp=(pp_q,), p=(p_q,)), CFG, COST)
         assert d.pool == Role.PRE_PREFILL and d.reason == DecisionReason.HOME, (pp_q, p_q)
+
+
+def test_work_priced_over_the_slo_leaves_a_home_queue_of_twice_its_own_work_for_an_idle_prefill_worker():
+    """The estimate is not the request's time (a router model fitted to warm turns prices cold
+    prompts at 1.5-3x their compute), so a request priced at 3 s against a 2 s SLO may meet it on
+    an idle worker: it takes an idle prefill worker once home would make it wait more than twice
+    its own work (7 s here; at the earlier factor of 4 it waited up to 12 s at home)."""
+    d = route(3000, PrefixMatch(), _cluster(pp=(7.0,), p=(0.0,)), CFG, COST)
+    assert (d.pool, d.prefill_worker, d.reason) == (Role.PREFILL, "p0", DecisionReason.SPILL_COLD)
 
 
 def test_float_residue_of_a_running_queue_sum_is_nothing_queued():
