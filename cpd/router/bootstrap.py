@@ -41,6 +41,9 @@ def learn_served(cfg: Config, served_from: str = "", secret: bytes | None = None
                     log.warning("KV namespace and context learned from %s: %s", url, served.namespace)
                     return served
                 except (httpx.HTTPError, ValueError, KeyError) as e:
+                    if url not in errors:  # say what it waits for (it may wait minutes), once per worker
+                        log.warning("router.served: waiting for %s to answer GET /info (%r); at most %.0f s",
+                                    url, e, timeout_s)
                     errors[url] = repr(e)
             time.sleep(retry_s)
     raise ConfigError(f"router.served: no worker answered GET /info within {timeout_s:.0f} s: {errors}")

@@ -47,6 +47,8 @@ Findings:
 - A ``cpd worker`` whose ``--port`` or ``--events-port`` (default ``--port`` + 1) another process
   holds ended in a ``ZMQError`` / ``OSError`` traceback, the HTTP one only after loading the
   model. Both ports are now bound first, with one line naming the address.
+- ``cpd router --served-from URL`` whose worker does not answer waited up to 300 s without a word
+  (it looked hung); it now logs once per worker what it waits for and for how long at most.
 
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
@@ -323,3 +325,20 @@ def test_a_worker_whose_port_is_taken_says_so_in_one_line(dep, tiny_model_dir, t
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "Traceback" not in out, out[-3000:]
     assert f"127.0.0.1:{busy}" in out and "Address already in use" in out, out[-3000:]
+
+
+def test_a_router_waiting_for_its_served_from_worker_says_so(tmp_path):
+    config = tmp_path / "router.toml"
+    config.write_text("")
+    proc = subprocess.Popen([*CPD, "router", "--config", str(config), "--host", "127.0.0.1",
+                             "--port", str(_free_port()), "--served-from", f"http://127.0.0.1:{_free_port()}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    import select
+
+    try:  # the router waits up to 300 s for the worker: its first line must come long before
+        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+        line = proc.stdout.readline() if ready else ""
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert "waiting for http://127.0.0.1:" in line and "GET /info" in line, line
