@@ -25,7 +25,11 @@ app = typer.Typer(help="Load generator: replay a Mooncake trace against an OpenA
 def _parse_ids(text: str | None) -> tuple[int, ...]:
     if not text:
         return ()
-    return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+    try:
+        return tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated token ids, got {text!r}",
+                                 param_hint="--special-ids") from None
 
 
 def resolve_vocab(card: dict[str, Any], *, tokenizer: str | None, vocab_size: int | None,
@@ -177,7 +181,7 @@ def _bench(
     spread_ticks: bool = typer.Option(False, "--spread-ticks/--bursty-ticks",
                                       help="spread each 3 s trace tick uniformly"),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", min=1),
-    timeout_s: float = typer.Option(600.0, "--timeout-s", help="per-request total timeout"),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", min=1e-3, help="per-request total timeout"),
     slo_ttft_s: Optional[float] = typer.Option(None, "--slo-ttft-s"),
     slo_tpot_s: Optional[float] = typer.Option(None, "--slo-tpot-s"),
     out: Optional[Path] = typer.Option(None, "--out", help="results JSON path"),
@@ -186,7 +190,8 @@ def _bench(
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="HF tokenizer dir for vocab/special ids"),
     vocab_size: Optional[int] = typer.Option(None, "--vocab-size", min=1),
     special_ids: Optional[str] = typer.Option(None, "--special-ids", help="comma-separated ids never drawn"),
-    warm_threshold: float = typer.Option(0.5, "--warm-threshold", help="trace reuse >= this is warm"),
+    warm_threshold: float = typer.Option(0.5, "--warm-threshold", min=0.0, max=1.0,
+                                         help="trace reuse >= this is warm"),
     context_len: Optional[int] = typer.Option(None, "--context-len", min=0,
                                               help="cap prompt+output (default: server max_model_len; 0: off)"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CPD_BENCH_API_KEY"),

@@ -9,7 +9,9 @@ Findings:
   list, a summary without the figures it prints) ended in a ``JSONDecodeError`` / ``KeyError``
   traceback. ``cpd analyze`` and ``cpd simulate`` already said "file:line: expected ...; got ...".
   Now the trace is read first and each of these is a one-paragraph usage error (exit 2) naming the
-  URL or the file and what was wrong.
+  URL or the file and what was wrong. ``--special-ids a,b`` ended in a ``ValueError`` traceback,
+  and ``--timeout-s 0`` (every request failed) and ``--warm-threshold 5`` were accepted; they are
+  usage errors now.
 - Chat options of OpenAI's own API that change the answer were silently ignored (session 16 closed
   this for vLLM's extensions): ``modalities: ["audio"]`` / ``["text", "audio"]`` and ``audio:
   {"voice", "format"}`` (an audio answer asked for) and ``web_search_options`` (the answer is to use
@@ -342,3 +344,11 @@ def test_a_router_waiting_for_its_served_from_worker_says_so(tmp_path):
         proc.kill()
         proc.wait(10)
     assert "waiting for http://127.0.0.1:" in line and "GET /info" in line, line
+
+
+@pytest.mark.parametrize("option,value", [("--special-ids", "a,b"), ("--timeout-s", "0"), ("--warm-threshold", "5")])
+def test_bench_options_out_of_range_are_usage_errors(dep, tmp_path: Path, option: str, value: str):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(GOOD_ROW) + "\n")
+    r = _cpd("bench", "--url", dep.url, "--trace", str(trace), "--quiet", option, value)
+    _assert_clear_usage_error(r, option)
