@@ -73,7 +73,13 @@ def simulate(
     """Simulate configurations of an experiment (deterministic for given seeds)."""
     from cpd.sim.experiment import load_experiment, slo_of
 
-    exp = load_experiment(experiment)
+    try:
+        exp = load_experiment(experiment)
+    except (OSError, ValueError) as e:  # no such experiment, or not an experiment JSON
+        typer.echo(f"cpd simulate: {e}" if experiment in str(e) else f"cpd simulate: {experiment}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if qps and min(qps) <= 0:
+        raise typer.BadParameter(f"QPS/GPU points must be positive, got {qps}", param_hint="--qps")
     if trace is not None:
         _apply_trace(exp, trace, users, spread_ticks, shared_prefix_fraction, max_context, max_idle_s)
     if quick:
@@ -122,7 +128,11 @@ def _sweep(exp: dict, config, seeds, jobs: int, out: Path, progress: bool) -> No
     from cpd.sim.report import markdown, plot_sweep
     from cpd.sim.sweep import run_sweep
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        typer.echo(f"cpd simulate: cannot write the results to --out {out}: {e.strerror or e}", err=True)
+        raise typer.Exit(2) from None
     t = time.perf_counter()
     res = run_sweep(exp, list(config) if config else None, seeds=seeds, progress=progress, jobs=jobs)
     wall = time.perf_counter() - t

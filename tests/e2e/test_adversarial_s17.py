@@ -52,6 +52,10 @@ Findings:
 - ``cpd router --served-from URL`` whose worker does not answer waited up to 300 s without a word
   (it looked hung); it now logs once per worker what it waits for and for how long at most.
 
+- ``cpd simulate`` with an unknown experiment name, an experiment file that is not JSON, ``--qps
+  -1`` or an ``--out`` it cannot create ended in tracebacks (FileNotFoundError / JSONDecodeError /
+  ValueError); each is now one line (exit 2) naming what was wrong.
+
 What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
 bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
 1e400 timestamps, float hash ids, decreasing timestamps, empty / blank / binary files, CSV with a
@@ -352,3 +356,16 @@ def test_bench_options_out_of_range_are_usage_errors(dep, tmp_path: Path, option
     trace.write_text(json.dumps(GOOD_ROW) + "\n")
     r = _cpd("bench", "--url", dep.url, "--trace", str(trace), "--quiet", option, value)
     _assert_clear_usage_error(r, option)
+
+
+@pytest.mark.parametrize("case", ["unknown_experiment", "not_json", "negative_qps", "unwritable_out"])
+def test_simulate_with_arguments_it_cannot_use_is_a_clear_error(tmp_path: Path, case: str):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(GOOD_ROW) + "\n")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x",')
+    args, needle = {"unknown_experiment": (["no_such_experiment"], "no_such_experiment"),
+                    "not_json": ([str(bad)], "bad.json"),
+                    "negative_qps": (["--trace", str(trace), "--qps", "-1"], "--qps"),
+                    "unwritable_out": (["--trace", str(trace), "--out", "/proc/no/such"], "/proc/no/such")}[case]
+    _assert_clear_usage_error(_cpd("simulate", *args), needle)
