@@ -56,11 +56,36 @@ Findings:
   -1`` or an ``--out`` it cannot create ended in tracebacks (FileNotFoundError / JSONDecodeError /
   ValueError); each is now one line (exit 2) naming what was wrong.
 
-What held (probes, no test needed beyond this file): ``cpd analyze`` / ``cpd simulate`` / ``cpd
-bench`` on 24 malformed traces (truncated JSONL line, wrong types, negative / 1e12 lengths, NaN /
-1e400 timestamps, float hash ids, decreasing timestamps, empty / blank / binary files, CSV with a
-bad row or a missing column, truncated gzip, a Claude Code folder with a bad or no conversation, a
-missing path): a clear "file:line: expected ...; got ..." error, exit 2, never a traceback.
+What held (probes against a hand-started ``cpd router`` + three ``cpd worker --router`` processes,
+float32, Redis L3, two API keys; no test needed beyond this file; notes in
+/work/notes/adversarial17.md):
+
+- L3 content changed by a third party under the real keys while 4 closed-loop clients ran and every
+  worker's L1/L2 was reset each second (1,600 changes in 35 s: random bytes, a flipped byte,
+  truncation, values swapped between keys, 64 zero bytes appended, emptied, header bytes
+  overwritten): 808 answers all exact, 0 errors, 147 reads counted as ``corrupt`` and recomputed.
+- Redis full (``maxmemory`` 1.7 MB, ``noeviction``): write-throughs refused, 760 answers exact.
+- 400 concurrent requests (60 % streamed) of which 70 % hang up after 0.02-2 s: 70 got 429
+  (``max_in_flight``), every patient one exact, ``/metrics`` answered in 0.16 s during the storm,
+  pools, stagings and in-flight counts back to 0.
+- SIGKILL of the prefill worker under load, restarted with the same id and port: no request
+  failed; SIGKILL of the only decode worker: in-flight streams ended with an error naming it,
+  new requests got an immediate 503 until it re-registered (~4 s), stagings back to 0.
+- Tenants: tenant B sending tenant A's prompt + A's output + a suffix got 0 cached tokens, A got
+  its prefix, a ``cache_salt`` got 0; same text (3 of 3).
+- Auth: every router path without a key, with a wrong key or a Basic header is 401 (``/health``
+  and ``/metrics`` open; no tenant label in metrics); ``POST /cpd/role`` and ``/cpd/register``
+  need the signature (401 / 403); 11 malformed signed role bodies get 400 / 404 / 409 bodies.
+- The official ``openai`` client: models list / retrieve / unknown model 404, ``max_completion_tokens``
+  = ``max_tokens``, seeded sampling equal plain and streamed, stop strings, usage in streams,
+  ``n=2`` / ``top_logprobs`` / ``response_format json`` / ``tool`` messages refused with 400.
+- Configuration: 14 wrong ``--set`` values (types, ranges, unknown keys and sections, conflicting
+  topology / pool sizes / ``--elastic``) and malformed TOML / YAML / JSON files: one clear line each.
+- ``cpd analyze`` / ``cpd simulate`` / ``cpd bench`` on 24 malformed traces (truncated JSONL line,
+  wrong types, negative / 1e12 lengths, NaN / 1e400 timestamps, float hash ids, decreasing
+  timestamps, empty / blank / binary files, CSV with a bad row or a missing column, truncated gzip,
+  a Claude Code folder with a bad or no conversation, a missing path): "file:line: expected ...;
+  got ...", exit 2.
 """
 from __future__ import annotations
 
