@@ -629,8 +629,9 @@ missed while the prefill worker idled (agent cell
 cold 0.15 / TTFT 1 s / output 400, seed 3: 0.932 of pd-l3). With 2 (after the residue fix,
 :data:`QUEUE_RESOLUTION_S`): that seed 0.4525 -> 0.4621 QPS/GPU (0.951), cold 0.03 / 0.5 s seed 1
 0.5577 -> 0.6076 (0.980 -> 1.067 of pd-l3), cold 0.08 / 0.5 s seeds 1-2 +2-4 %; 12 other agent,
-Claude Code and Mooncake searches equal, one lower: cold 0.03 / 0.5 s seed 3, 0.6231 -> 0.6213
-(0.976); a factor of 1 lowered the seed-3 cell to 0.4462 (docs/sim_results/adaptive_grid/session17/)."""
+Claude Code and Mooncake searches equal, two lower: cold 0.03 / 0.5 s seed 3, 0.6231 -> 0.6213
+(0.976), and Claude Code TTFT 1 s / output 100 seed 3, 4.8771 -> 4.7833 (1.150 -> 1.128 of
+cpd-static); a factor of 1 lowered the seed-3 cell to 0.4462 (docs/sim_results/adaptive_grid/session17/)."""
 
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the
