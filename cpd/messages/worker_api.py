@@ -59,6 +59,7 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_l3_blocks: int | None = None
     write_through: bool = False
     stream_progress: bool = False
+    expect_boot_id: str | None = None  # the boot id the caller checked (GET /info); another: 409
 
 
 class L3Observation(msgspec.Struct, frozen=True):
@@ -120,6 +121,7 @@ ahead, or for KV blocks), running (admitted, computed each step it is scheduled)
 prefill is done, its KV kept for the handoff)."""
 
 
+WORKER_RESTARTED = "worker_restarted"  # error code: not the process the caller checked (expect_boot_id); recheck it
 ENGINE_FAILED = "engine_failed"  # error code: the worker's engine failed (not the request); retry elsewhere
 
 
@@ -164,6 +166,7 @@ class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True):
     num_generated: int = 1
     cache_salt: str | None = None
     fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    expect_boot_id: str | None = None  # the boot id the caller checked (GET /info); another: 409
 
 
 class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -175,6 +178,7 @@ class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_salt: str | None = None
+    expect_boot_id: str | None = None  # the boot id the caller checked (GET /info); another: 409
 
 
 class DecodeLine(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -20,7 +20,7 @@ from typing import AsyncGenerator, Callable
 
 import httpx
 
-from cpd.messages.worker_api import (AppendRequest, DecodeLine, DecodeRequest, MalformedBody, decode_body, encode,
+from cpd.messages.worker_api import (WORKER_RESTARTED, AppendRequest, DecodeLine, DecodeRequest, MalformedBody, decode_body, encode,
                                      error_code)
 from cpd.router.metrics import RouterMetrics
 from cpd.router.protocol import BackendError, GenerationChunk
@@ -170,8 +170,8 @@ async def _decode_refused(metrics: RouterMetrics, worker_id: str, r: httpx.Respo
     raw = await r.aread()
     text = raw[:300].decode(errors="replace")
     code = error_code(raw)
-    if code == "engine_stuck":  # the worker failed: exclude it, retry elsewhere
-        metrics.fallbacks.labels("engine_stuck").inc()
+    if code in ("engine_stuck", WORKER_RESTARTED):  # the worker failed or restarted: exclude it, retry elsewhere
+        metrics.fallbacks.labels(code).inc()
         raise DecodeFailed(f"decode worker {worker_id} refused ({r.status_code}): {text}", worker_failed=True)
     if r.status_code == 410 or code in ("handoff_stale", "handoff_unavailable"):
         unreachable = r.status_code != 410 and code == "handoff_unavailable"

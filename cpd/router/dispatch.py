@@ -314,7 +314,7 @@ class CPDBackend:
         n = len(req.prompt_token_ids)
         est_s = work_s(d.load_plan, n, self.cfg, self.estimates.model())
         body = AppendRequest(request_id=run.worker_request_id(), prompt_token_ids=req.prompt_token_ids,
-                             sampling=req.sampling, cache_salt=req.cache_salt)
+                             sampling=req.sampling, cache_salt=req.cache_salt, expect_boot_id=w.boot_id)
         log.debug("route %s decode-append on %s plan=%s", req.request_id, w.worker_id, dataclasses.asdict(d.load_plan))
         first: list[DecodeLine] = []
         w.queued_prefill_tokens += n
@@ -429,7 +429,7 @@ class CPDBackend:
         body = PrefillRequest(request_id=run.worker_request_id(), prompt_token_ids=req.prompt_token_ids,
                               sampling=sampling or req.sampling, cache_salt=req.cache_salt,
                               max_l3_blocks=d.load_plan.l3_blocks if recompute_l3 else None,
-                              write_through=d.write_through)
+                              write_through=d.write_through, expect_boot_id=w.boot_id)
         log.debug("route %s cls=%s pool=%s worker=%s plan=%s reasons=%s", req.request_id, d.request_class, d.pool,
                   d.prefill_worker, dataclasses.asdict(d.load_plan), d.reasons)
         cached_blocks = d.load_plan.num_cached_blocks
@@ -592,7 +592,8 @@ class CPDBackend:
         assert pre.handoff is not None
         body = DecodeRequest(request_id=run.worker_request_id(), token_ids=token_ids, sampling=req.sampling,
                              handoff=pre.handoff, num_generated=num_generated, cache_salt=req.cache_salt,
-                             fetch_timeout_s=self.timeouts.handoff_fetch_s(pre.answer.kv_bytes))
+                             fetch_timeout_s=self.timeouts.handoff_fetch_s(pre.answer.kv_bytes),
+                             expect_boot_id=w.boot_id)
         return relay_decode(self.client, self.timeouts, self.metrics, w, self.decode_slots[w.worker_id], body,
                             pre.staging_deadline, pre.answer.kv_bytes)
 

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from cpd.messages.worker_api import (ENGINE_FAILED, MalformedBody, PrefillAnswer, PrefillAnswerLine, PrefillRequest,
+from cpd.messages.worker_api import (ENGINE_FAILED, WORKER_RESTARTED, MalformedBody, PrefillAnswer, PrefillAnswerLine, PrefillRequest,
                                      decode_body, encode, error_code)
 from cpd.router.protocol import BackendError
 from cpd.router.stream_lines import LineReader
@@ -55,7 +55,7 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
     try:
         if r.status_code != 200:
             raw = await r.aread()
-            if error_code(raw) in ("engine_stuck", ENGINE_FAILED):  # the worker failed: the caller retries elsewhere
+            if error_code(raw) in ("engine_stuck", ENGINE_FAILED, WORKER_RESTARTED):  # retried elsewhere
                 raise PrefillStalled(f"{worker_id} refused: {raw[:200].decode(errors='replace')}")
             raise BackendError(f"prefill worker {worker_id} error: {raw[:200].decode(errors='replace')}", 502,
                                "server_error")

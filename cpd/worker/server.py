@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 from cpd.costmodel.prior import cost_prior
 from cpd.engine.engine import loads_since
 from cpd.messages.handoff import HandoffHandle, HandoffRelease
-from cpd.messages.worker_api import (ENGINE_FAILED, Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest,
+from cpd.messages.worker_api import (ENGINE_FAILED, WORKER_RESTARTED, Ack, AppendRequest, CostPrior, DecodeLine, DecodeRequest,
                                      ErrorBody, KvSnapshot, L3Observation, L3Snapshot, LoadReport, MalformedBody,
                                      PrefillLine, PrefillRequest, PrefillResponse, RoleChangeRequest,
                                      RoleChangeResponse, WorkerHealth, WorkerInfoReport, decode_body, encode)
@@ -203,6 +203,18 @@ def _progress_fields(st: WorkerState, rid: str) -> dict[str, Any]:
             "request_state": st.engine.request_state(rid)}
 
 
+def _restarted_refusal(st: WorkerState, body) -> Response | None:
+    """409 ``worker_restarted`` when the caller checked another process at this address (its
+    ``expect_boot_id``): this one may serve other weights or settings (a worker restarted with
+    another ``--model``) until the router has checked it; the router retries elsewhere and
+    rechecks. None when it is this process, or the caller did not say."""
+    want = body.expect_boot_id
+    if want is None or want == st.boot_id:
+        return None
+    return _error(f"worker {st.worker_id} restarted (boot id {st.boot_id}; the caller checked {want}): "
+                  "check GET /info again", 409, WORKER_RESTARTED)
+
+
 def _stuck_refusal(st: WorkerState) -> Response | None:
     """503 ``engine_stuck`` while the engine's current step is stuck (new work would wait behind
     it without bound; the router retries elsewhere), else None."""
@@ -273,7 +285,7 @@ def build_app(st: WorkerState) -> FastAPI:
             body = await _read(request, PrefillRequest)
         except MalformedBody as e:
             return _error(f"bad prefill request: {e}", 400)
-        return _stuck_refusal(st) or await _prefill(st, body, request)
+        return _restarted_refusal(st, body) or _stuck_refusal(st) or await _prefill(st, body, request)
 
     @app.post("/append")
     async def append(request: Request):
@@ -284,7 +296,7 @@ def build_app(st: WorkerState) -> FastAPI:
         if st.role != Role.DECODE:
             return _error(f"decode-local append on a {st.role} worker: only decode workers append", 409,
                           "wrong_role")
-        return _stuck_refusal(st) or _append(st, body, request)
+        return _restarted_refusal(st, body) or _stuck_refusal(st) or _append(st, body, request)
 
     @app.post("/role")
     async def role(request: Request):
@@ -314,7 +326,7 @@ def build_app(st: WorkerState) -> FastAPI:
             body = await _read(request, DecodeRequest)
         except MalformedBody as e:
             return _error(f"bad decode request: {e}", 400)
-        return _stuck_refusal(st) or await _decode(st, body, request)
+        return _restarted_refusal(st, body) or _stuck_refusal(st) or await _decode(st, body, request)
 
     @app.on_event("startup")
     async def _warm_async_backend():

@@ -56,6 +56,16 @@ Findings:
   -1`` or an ``--out`` it cannot create ended in tracebacks (FileNotFoundError / JSONDecodeError /
   ValueError); each is now one line (exit 2) naming what was wrong.
 
+- Wrong tokens: a worker restarted at the same id and address with other weights (a rolling model
+  upgrade done by restarting workers one by one, or a wrong ``--model``) was sent requests until
+  the router's poller saw its new boot id (``/load``, every 0.5 s) and rechecked its ``/info``:
+  live, 4 closed-loop clients, ``p0`` SIGKILLed and restarted on a tiny model of another seed: 1
+  wrong answer (of 1,155) in that window, then ``p0`` was refused ("KV namespace differs"); with
+  the router paused across the restart (the test below) every time. Requests carried nothing the
+  worker could check. Now the router sends the boot id it checked (``expect_boot_id``) with every
+  prefill, decode and append call; another process answers 409 ``worker_restarted``, which the
+  router handles like a stuck engine (retry elsewhere; the poller rechecks the worker).
+
 What held (probes against a hand-started ``cpd router`` + three ``cpd worker --router`` processes,
 float32, Redis L3, two API keys; no test needed beyond this file; notes in
 /work/notes/adversarial17.md):
@@ -394,3 +404,70 @@ def test_simulate_with_arguments_it_cannot_use_is_a_clear_error(tmp_path: Path, 
                     "negative_qps": (["--trace", str(trace), "--qps", "-1"], "--qps"),
                     "unwritable_out": (["--trace", str(trace), "--out", "/proc/no/such"], "/proc/no/such")}[case]
     _assert_clear_usage_error(_cpd("simulate", *args), needle)
+
+
+def test_a_worker_restarted_with_other_weights_never_answers_before_it_is_rechecked(tiny_model_dir, tmp_path):
+    import signal
+
+    from cpd.engine.weights import make_tiny_llama_dir
+
+    other = str(make_tiny_llama_dir(tmp_path / "tiny-other", seed=1))
+    d = start(tiny_model_dir, "pd", num_prefill=1, num_decode=1, internal_secret=SECRET,
+              settings={"engine.dtype": "float32"})
+    twin = None
+    try:
+        prompt = random_prompt(23, 40)
+        want = oracle_tokens(d.model_dir, prompt, 6, dtype="float32")
+        assert complete(d, prompt, 6)["choices"][0]["token_ids"] == want
+        p0 = next(w for w in d.workers if w["worker_id"] == "p0")
+        port, events_port = int(p0["url"].rsplit(":", 1)[1]), int(p0["events_endpoint"].rsplit(":", 1)[1])
+        d.kill_worker("p0")
+        router_pid = d.pids()["router"]
+        os.kill(router_pid, signal.SIGSTOP)  # no poll sees the restart before a request reaches it
+        try:
+            twin = subprocess.Popen([sys.executable, "-m", "cpd.worker.main", "--role", "prefill", "--worker-id", "p0",
+                                     "--host", "127.0.0.1", "--port", str(port), "--events-port", str(events_port),
+                                     "--config", str(d.worker_config_path), "--model", other,
+                                     "--torch-threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env={**os.environ, "CPD_INTERNAL_SECRET": SECRET})
+            deadline = time.monotonic() + 60
+            while not (_listening(port) and httpx.get(f"{p0['url']}/health", timeout=5).status_code == 200):
+                assert twin.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+            import threading
+
+            body = {"model": d.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            answer: dict = {}
+            sender = threading.Thread(target=lambda: answer.update(
+                r=httpx.post(f"{d.url}/v1/completions", json=body, timeout=60)))
+            sender.start()
+            time.sleep(0.5)  # the request waits in the paused router's accept queue
+        finally:
+            os.kill(router_pid, signal.SIGCONT)
+        sender.join(60)
+        r = answer["r"]
+        # the only prefill worker now serves other weights: a clear error, never other tokens
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["token_ids"] == want, r.text[:300]
+        else:
+            assert r.status_code >= 500 and "error" in r.json(), r.text[:300]
+        deadline = time.monotonic() + 30
+        while _workers(d)["p0"]["state"] != "refused":  # the poller's recheck: another KV namespace
+            assert time.monotonic() < deadline, _workers(d)["p0"]
+            time.sleep(0.2)
+    finally:
+        if twin is not None:
+            twin.kill()
+            twin.wait(30)
+        d.stop()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
