@@ -803,8 +803,11 @@ class Engine:
         except Exception:
             log.warning("L3 load failed; recomputing", exc_info=True)
             return None
+        if arrays is None:  # gone since the lookup (evicted) or unreadable (the connector counts corrupt reads)
+            log.debug("L3 blocks missing or corrupt since the lookup; recomputing")
+            return None
         exp = tuple(self.pool.block_view(0).shape)
-        if arrays is None or len(arrays) != n or any(tuple(np.shape(a)) != exp for a in arrays):
+        if len(arrays) != n or any(tuple(np.shape(a)) != exp for a in arrays):
             log.warning("L3 returned malformed blocks; recomputing")
             return None
         return list(arrays)
