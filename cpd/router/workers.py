@@ -161,10 +161,13 @@ class WorkerSet:
                     self.mark_unhealthy(w.worker_id)
                     return
                 was_healthy = w.healthy
+                check = self.admit is not None and self.needs_check is not None and self.needs_check(w, was_healthy)
+                if check and w.state == "accepted":
+                    w.state = "unchecked"  # no request until the verdict: it may be another process now
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True
-                if self.admit is not None and self.needs_check is not None and self.needs_check(w, was_healthy):
+                if check:
                     await self.admit(w)
             except (httpx.HTTPError, ValueError):
                 n = self._poll_failures[w.worker_id] = self._poll_failures.get(w.worker_id, 0) + 1
