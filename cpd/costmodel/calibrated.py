@@ -262,6 +262,13 @@ class CalibratedCostModel:
         """KV bytes of one token (all layers, K and V) at the calibrated dtype."""
         return self.model.kv_bytes_per_token(self.kv_dtype_bytes)
 
+    @property
+    def prefill_attn_coeff(self) -> float:
+        """The shape of its prefill cost: the fitted attention term over the per-token one
+        (``c / b``; 0 when the profile has no per-token term)."""
+        _, b, c, _ = self.prefill_coef
+        return c / b if b > 0 else 0.0
+
     def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         """One step computing ``num_new_tokens`` on ``num_cached_tokens`` (0 for no tokens)."""
         if num_new_tokens <= 0:

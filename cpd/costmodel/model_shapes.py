@@ -49,6 +49,15 @@ class ModelShape:
         return self.num_layers * self.params_per_layer + self.vocab_size * self.hidden_size
 
     @property
+    def prefill_attn_coeff(self) -> float:
+        """The shape of prefill cost: attention FLOPs of one new token per context token
+        (``4 · layers · heads · head_dim``: QK^T and AV) over its linear FLOPs
+        (``2 · linear_params``). A prefill of ``n`` tokens on ``p`` cached costs
+        ``n · (1 + prefill_attn_coeff · (p + n/2))`` token-equivalents of linear work
+        (:func:`cpd.policy.routing.prefill_work_tokens`)."""
+        return 2.0 * self.num_layers * self.num_heads * self.head_dim / self.linear_params
+
+    @property
     def total_params(self) -> int:
         """All weights (embedding counted once more unless tied)."""
         emb = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size

@@ -278,13 +278,19 @@ class CostPrior(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     model × its time dilation K): the router prices with these until it has measured the same
     quantity (:meth:`cpd.router.estimates.CostEstimates.advertise`). ``None``: no expectation.
 
-    - ``prefill_tokens_per_s``: prompt tokens per second of a full prefill step (the engine's
-      token budget in prefill chunks, no cached prefix), the quantity the router's rate EWMA
-      samples (``step_tokens / step_s``).
+    - ``prefill_tokens_per_s``: the prefill scale of a full prefill step (the engine's token
+      budget in prefill chunks, no cached prefix): tokens without attention context per second
+      (:func:`cpd.policy.routing.prefill_scale_tokens_per_s` with ``attn_coeff``; plain prompt
+      tokens per second when ``attn_coeff`` is None or 0), the quantity the router's rate EWMA
+      samples.
+    - ``attn_coeff``: the shape of prefill cost, a context token's attention cost relative to a
+      token's linear cost (the architecture's, ``ModelShape.prefill_attn_coeff``); None: unknown
+      (an old worker: the router keeps its own).
     - ``l2_bytes_per_s`` / ``l3_bytes_per_s``: KV load bandwidth from the host pool / the store.
     - ``source``: where the figures come from (e.g. ``roofline llama-3.1-70b h100 tp1, K=3``)."""
 
     prefill_tokens_per_s: float | None = None
+    attn_coeff: float | None = None
     l2_bytes_per_s: float | None = None
     l3_bytes_per_s: float | None = None
     source: str = ""

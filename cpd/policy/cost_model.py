@@ -103,6 +103,12 @@ class RooflineCostModel:
         free = self.gpu.hbm_bytes * self.tp * 0.9 - self.weight_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 
+    @property
+    def prefill_attn_coeff(self) -> float:
+        """The shape of its compute-bound prefill cost (the architecture's,
+        :attr:`~cpd.costmodel.model_shapes.ModelShape.prefill_attn_coeff`)."""
+        return self.model.prefill_attn_coeff
+
     def _attn_flops(self, n: float, ctx: float) -> float:
         m = self.model
         return 4.0 * m.num_layers * m.num_heads * m.head_dim * n * ctx

@@ -878,16 +878,38 @@ def _route_adaptive(num_prompt_tokens: int, match: PrefixMatch, loads: Sequence[
     return d
 
 
+def prefill_work_tokens(num_new_tokens: int, num_cached_tokens: int, attn_coeff: float) -> float:
+    """The work of computing ``num_new_tokens`` on ``num_cached_tokens``, in tokens without
+    attention context: ``n · (1 + attn_coeff · (p + n/2))`` (each new token attends to the mean
+    causal context ``p + n/2``; ``attn_coeff``: a context token's attention cost relative to a
+    token's linear cost, a property of the architecture,
+    :attr:`cpd.costmodel.model_shapes.ModelShape.prefill_attn_coeff`)."""
+    if num_new_tokens <= 0:
+        return 0.0
+    return num_new_tokens * (1.0 + attn_coeff * (num_cached_tokens + num_new_tokens / 2))
+
+
+def prefill_scale_tokens_per_s(num_new_tokens: int, num_cached_tokens: int, seconds: float,
+                               attn_coeff: float) -> float:
+    """The prefill scale that one measured prefill shows: :func:`prefill_work_tokens` per second.
+    With the architecture's ``attn_coeff`` a cold prompt and a warm turn of the same engine give
+    the same scale (``LinearCostModel.prefill_tokens_per_s``)."""
+    return prefill_work_tokens(num_new_tokens, num_cached_tokens, attn_coeff) / seconds
+
+
 @dataclass(frozen=True)
 class LinearCostModel:
     """A measured cost model for live routing (the simulator's instances run a roofline).
 
-    prefill time = prefill_overhead_s + num_new_tokens / prefill_tokens_per_s
-    * (1 + attn_coeff * (cached + new/2)), i.e. ``a + b·n + c·n·(p + n/2)`` with ``b = 1/rate``
-    and ``c = attn_coeff/rate`` (the form :mod:`cpd.costmodel.calibrated` fits to measured steps);
-    load time = bytes / bandwidth(tier) + overhead(tier). The live router learns the prefill rate
-    (or, with ``router.prefill_cost_fit``, fits all three prefill terms) from the prefills workers
-    report, and the bandwidths from their measured loads (``cpd.router.estimates``).
+    prefill time = prefill_overhead_s + :func:`prefill_work_tokens` / prefill_tokens_per_s, i.e.
+    ``n / rate · (1 + attn_coeff · (cached + new/2))`` + overhead, ``a + b·n + c·n·(p + n/2)`` with
+    ``b = 1/rate`` and ``c = attn_coeff/rate`` (the form :mod:`cpd.costmodel.calibrated` fits to
+    measured steps); load time = bytes / bandwidth(tier) + overhead(tier). ``attn_coeff`` (the
+    *shape*) is the architecture's, advertised by the workers (:mod:`cpd.costmodel.prior`); the
+    live router measures the *scale* ``prefill_tokens_per_s`` (tokens without attention context
+    per second; plain tokens per second when ``attn_coeff`` is 0) from the prefills workers report
+    (or, with ``router.prefill_cost_fit``, fits all three prefill terms), and the bandwidths from
+    their measured loads (``cpd.router.estimates``).
     """
 
     kv_bytes_per_token: int
@@ -902,8 +924,8 @@ class LinearCostModel:
     def prefill_time_s(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         if num_new_tokens <= 0:
             return 0.0
-        ctx = num_cached_tokens + num_new_tokens / 2
-        return self.prefill_overhead_s + num_new_tokens / self.prefill_tokens_per_s * (1.0 + self.attn_coeff * ctx)
+        work = prefill_work_tokens(num_new_tokens, num_cached_tokens, self.attn_coeff)
+        return self.prefill_overhead_s + work / self.prefill_tokens_per_s
 
     def load_time_s(self, tier: str, num_bytes: int) -> float:
         if tier == "L2":

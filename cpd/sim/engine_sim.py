@@ -196,7 +196,7 @@ def instance_cost_prior(spec: EngineInstanceSpec, has_l3: bool, time_dilation: f
     from cpd.costmodel.prior import cost_prior
     p = cost_prior(spec.cost, time_dilation=time_dilation, max_num_batched_tokens=spec.sched.max_num_batched_tokens,
                    max_prefill_chunk_tokens=spec.sched.max_prefill_chunk_tokens)
-    out = {"prefill_tokens_per_s": p.prefill_tokens_per_s, "l2_bytes_per_s": p.l2_bytes_per_s,
+    out = {"prefill_tokens_per_s": p.prefill_tokens_per_s, "attn_coeff": p.attn_coeff, "l2_bytes_per_s": p.l2_bytes_per_s,
            "l3_bytes_per_s": p.l3_bytes_per_s if has_l3 else None}
     return {k: float(v) for k, v in out.items() if v is not None}
 

@@ -48,7 +48,8 @@ from typing import Any
 
 from cpd.engine.scheduler import SchedulerConfig
 from cpd.policy.cost_model import Efficiency, RooflineCostModel
-from cpd.policy.routing import LinearCostModel, RoutingConfig
+from cpd.costmodel.prior import linear_router_cost
+from cpd.policy.routing import RoutingConfig
 from cpd.sim.engine_sim import EngineClusterSpec, EngineInstanceSpec, EngineSimulator
 from cpd.sim.stats import mser5, pct, rnd
 from cpd.sim.workload import AgentWorkload, SimRequest, agent_workload
@@ -166,26 +167,27 @@ def router_cost(exp: dict, pcost: RooflineCostModel):
     """The cost model the *router* sees (the instances' step times always use the roofline).
 
     ``exp["router_cost"]``: ``"learned"``: the ``"linear"`` model below as the start, then learned
-    from the simulated prefills as the live router learns it (``cpd.router.estimates``: one rate,
-    EWMA; :attr:`EngineClusterSpec.learn_router_cost`); ``"learned-fit"``: the same with the fitted
-    overhead + per-token + attention terms (``router.prefill_cost_fit``); ``"linear"``: a
-    :class:`~cpd.policy.routing.LinearCostModel` with ``attn_coeff = 0`` whose prefill rate is the
-    roofline rate of a typical warm turn (``workload.turn_suffix`` new tokens on
+    from the simulated prefills as the live router learns it (``cpd.router.estimates``: the scale,
+    EWMA, in the shape's units; :attr:`EngineClusterSpec.learn_router_cost`); ``"learned-fit"``:
+    the same with the fitted overhead + per-token + attention terms (``router.prefill_cost_fit``);
+    ``"linear"``: a :class:`~cpd.policy.routing.LinearCostModel` with the shape of the roofline's
+    architecture (``attn_coeff``, what a live worker advertises) whose scale is fitted to the
+    roofline time of a typical warm turn (``workload.turn_suffix`` new tokens on
     ``workload.first_context`` cached) and whose L2 / L3 bandwidths and overheads are the roofline
-    links'; ``"roofline"``: the roofline itself.
+    links' (:func:`cpd.costmodel.prior.linear_router_cost`); ``"linear-flat"``: the same with
+    ``attn_coeff = 0`` (one rate fitted at that turn: it priced a cold 60-100 K-token prompt at
+    1.7-2.3x its roofline time; the router cost of the adaptive-grid records before session 18);
+    ``"roofline"``: the roofline itself.
     """
     kind = exp.get("router_cost", "roofline")
     if kind == "roofline":
         return pcost
-    if kind not in ("linear", "learned", "learned-fit"):
+    if kind not in ("linear", "linear-flat", "learned", "learned-fit"):
         raise ValueError(f"unknown router_cost {kind!r}")
     w = exp.get("workload", {})
     new = int(w.get("turn_suffix", 2000))
     cached = int(w.get("first_context", 100_000))
-    rate = new / pcost.prefill_time_s(new, cached)
-    return LinearCostModel(kv_bytes_per_token=pcost.kv_bytes_per_token, prefill_tokens_per_s=rate, attn_coeff=0.0,
-                           l2_bytes_per_s=pcost.link_bytes_per_s("L2"), l3_bytes_per_s=pcost.link_bytes_per_s("L3"),
-                           l2_overhead_s=pcost.link_latency_s("L2"), l3_overhead_s=pcost.link_latency_s("L3"))
+    return linear_router_cost(pcost, new, cached, shaped=kind != "linear-flat")
 
 
 def make_workload(exp: dict, total_qps: float, seed: int, overrides: dict | None = None

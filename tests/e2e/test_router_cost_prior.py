@@ -5,7 +5,8 @@ Before, the router started from its ``LinearCostModel`` default (2,000 prompt to
 time, L3 1 GB/s) until the first prefills came back, while the simulator priced them with the
 roofline from t = 0 (docs/results/modeled_ordering/README.md, "Session 11 rerun"). Now each
 worker's ``GET /info`` carries its ``cost_prior`` (the modeled executor's roofline × K) and the
-router uses it until it has measured the figure.
+router uses it until it has measured the figure. Since session 18 the prior carries the shape of
+prefill cost too (``attn_coeff``, the architecture's) and the rate is the scale in that shape.
 """
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def _gauges(url: str) -> dict[str, float]:
 
 def test_the_router_prices_its_first_prefills_at_the_workers_advertised_rate(tiny_model_dir, tmp_path):
     rl = RooflineCostModel.build(resolve_model_shape(SHAPE), GPU, 1)
-    rate = BUDGET / (rl.step_time_s([(BUDGET, 0)]) * K)  # a full prefill step of the roofline, wall-clock
+    attn = rl.model.prefill_attn_coeff  # the architecture's shape of prefill cost
+    # the scale of a full cold prefill step of the roofline (its tokens attend to BUDGET/2 on average), wall-clock
+    rate = BUDGET * (1 + attn * BUDGET / 2) / (rl.step_time_s([(BUDGET, 0)]) * K)
     dep = start(tiny_model_dir, "pd", kv_store=f"file://{tmp_path / 'l3'}", num_prefill=2, num_decode=1,
                 settings=MODELED)
     try:
@@ -44,6 +47,7 @@ def test_the_router_prices_its_first_prefills_at_the_workers_advertised_rate(tin
         assert all(p is not None for p in priors.values()), priors
         for wid, p in priors.items():
             assert p["prefill_tokens_per_s"] == pytest.approx(rate), wid
+            assert p["attn_coeff"] == pytest.approx(attn), wid
             assert p["l2_bytes_per_s"] == pytest.approx(rl.link_bytes_per_s("L2") / K), wid
         assert {wid: "l3_bytes_per_s" in p for wid, p in priors.items()} == \
             {wid: w["role"] != "decode" for wid, w in workers.items()}  # only workers with a store have L3
@@ -54,10 +58,11 @@ def test_the_router_prices_its_first_prefills_at_the_workers_advertised_rate(tin
         # the first request's estimate is priced with it: its own prefill at the advertised rate
         prompt = random_prompt(3, 1024)
         rec = routing_record(dep, complete(dep, prompt, max_tokens=2)["id"])
-        assert rec["estimated_ttft_s"] == pytest.approx(len(prompt) / rate, rel=0.05), rec
-        # after it the rate is measured: an EWMA step from the prior towards the engine's rate
+        work = len(prompt) * (1 + attn * len(prompt) / 2)
+        assert rec["estimated_ttft_s"] == pytest.approx(work / rate, rel=0.05), rec
+        # after it the scale is measured: an EWMA step from the prior towards the engine's rate in the shape
         after = _gauges(dep.url)["prefill_tokens_per_s"]
-        sample = rec["step_tokens"] / rec["step_s"]
+        sample = rec["step_tokens"] / rec["step_s"] * (1 + attn * len(prompt) / 2)
         assert after == pytest.approx(0.8 * rate + 0.2 * sample, rel=1e-6), (after, rate, sample)
     finally:
         dep.stop()

@@ -50,7 +50,10 @@ def test_a_modeled_worker_advertises_its_roofline_step_rate_over_k():
     prior = engine_cost_prior(eng)
     assert prior is not None
     rl = _roofline()
-    assert prior.prefill_tokens_per_s == pytest.approx(2048 / (rl.step_time_s([(2048, 0)]) * K))
+    # the scale of a full cold step in the architecture's shape: 2048 tokens at mean context 1024
+    assert prior.attn_coeff == pytest.approx(rl.model.prefill_attn_coeff)
+    work = 2048 * (1 + rl.model.prefill_attn_coeff * 1024)
+    assert prior.prefill_tokens_per_s == pytest.approx(work / (rl.step_time_s([(2048, 0)]) * K))
     assert prior.l2_bytes_per_s == pytest.approx(rl.link_bytes_per_s("L2") / K)
     assert prior.l3_bytes_per_s == pytest.approx(rl.link_bytes_per_s("L3") / K)
     assert "K=3" in prior.source
@@ -82,7 +85,9 @@ def test_before_any_measurement_the_router_prices_at_the_advertised_rate():
     est.advertise("p1", prior)
     m = est.model()
     assert m.prefill_tokens_per_s == pytest.approx(prior["prefill_tokens_per_s"])
-    assert m.prefill_tokens_per_s * K == pytest.approx(3480, rel=0.01)  # modeled tok/s of a 2048-token step
+    assert m.attn_coeff == pytest.approx(prior["attn_coeff"])  # the architecture's shape
+    cold_step_work = 1 + m.attn_coeff * 1024  # a 2048-token cold step's tokens attend to 1024 on average
+    assert m.prefill_tokens_per_s * K / cold_step_work == pytest.approx(3480, rel=0.01)  # modeled tok/s of the step
     assert m.l3_bytes_per_s == pytest.approx(prior["l3_bytes_per_s"])
     assert m.l2_bytes_per_s == pytest.approx(prior["l2_bytes_per_s"])
     assert m.kv_bytes_per_token == DEFAULT.kv_bytes_per_token  # not the workers' to say

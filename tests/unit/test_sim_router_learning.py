@@ -59,7 +59,9 @@ def test_the_router_starts_from_the_advertised_cost_prior():
     assert no_l3.l3_bytes_per_s == BASE.l3_bytes_per_s  # nobody advertises L3: the live default
     assert no_l3.prefill_tokens_per_s == pytest.approx(prior.prefill_tokens_per_s)
     assert instance_cost_prior(_cluster(0).instances[0], has_l3=False) == {
-        "prefill_tokens_per_s": prior.prefill_tokens_per_s, "l2_bytes_per_s": prior.l2_bytes_per_s}
+        "prefill_tokens_per_s": prior.prefill_tokens_per_s, "attn_coeff": prior.attn_coeff,
+        "l2_bytes_per_s": prior.l2_bytes_per_s}
+    assert COST.prefill_attn_coeff > 0 and with_l3.attn_coeff == pytest.approx(COST.prefill_attn_coeff)  # its shape
     # the live CostEstimates fed the same advertisements gives the same model
     est = CostEstimates(BASE)
     for i, spec in enumerate(_cluster(1 << 40).instances):

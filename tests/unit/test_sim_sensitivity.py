@@ -9,15 +9,20 @@ def test_router_cost_linear_mirrors_live_router():
     exp = load_experiment("reference_b200")
     lin = build_cluster(apply_overrides(exp, {"router_cost": "linear"}), "pd").router_cost
     roof = build_cluster(apply_overrides(exp, {"router_cost": "roofline"}), "pd").router_cost
-    assert isinstance(lin, LinearCostModel) and lin.attn_coeff == 0.0
+    flat = build_cluster(apply_overrides(exp, {"router_cost": "linear-flat"}), "pd").router_cost
+    # the live router's shape: the architecture's attention term (what a worker's cost_prior advertises)
+    assert isinstance(lin, LinearCostModel) and lin.attn_coeff == roof.prefill_attn_coeff > 0
+    assert isinstance(flat, LinearCostModel) and flat.attn_coeff == 0.0
     assert isinstance(roof, RooflineCostModel)
     assert lin.kv_bytes_per_token == roof.kv_bytes_per_token
     w = exp["workload"]
     # calibrated on a typical warm turn: same time as the roofline there
     t = roof.prefill_time_s(w["turn_suffix"], w["first_context"])
     assert abs(lin.prefill_time_s(w["turn_suffix"], w["first_context"]) - t) < 1e-9
-    # queued tokens are priced linearly: two queued 100K prefills cost twice one
-    assert abs(lin.prefill_time_s(200_000, 0) - 2 * lin.prefill_time_s(100_000, 0)) < 1e-9
+    assert abs(flat.prefill_time_s(w["turn_suffix"], w["first_context"]) - t) < 1e-9
+    # one rate prices tokens linearly: two 100K prefills cost twice one (and a cold one ~1.7x the roofline)
+    assert abs(flat.prefill_time_s(200_000, 0) - 2 * flat.prefill_time_s(100_000, 0)) < 1e-9
+    assert abs(lin.prefill_time_s(100_000, 0) / roof.prefill_time_s(100_000, 0) - 1) < 0.1
     # the roofline prices the queue as one sequence: superlinear (the attention term)
     assert roof.prefill_time_s(200_000, 0) > 2.5 * roof.prefill_time_s(100_000, 0)
     assert abs(lin.load_time_s("L3", 10**9) - roof.load_time_s("L3", 10**9)) < 1e-9
