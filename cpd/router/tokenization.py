@@ -29,6 +29,16 @@ CHAT_ROLES = ("system", "user", "assistant")
 """Roles accepted in chat messages (``developer`` is accepted as an alias of ``system``)."""
 
 
+class PromptTooLong(ValueError):
+    """A text that cannot fit ``max_num_tokens``, found without tokenizing it: it has at least
+    ``min_num_tokens`` tokens (:meth:`Tokenizer.min_num_tokens`)."""
+
+    def __init__(self, min_num_tokens: int, max_num_tokens: int):
+        super().__init__(f"the text has at least {min_num_tokens} tokens, more than {max_num_tokens}")
+        self.min_num_tokens = min_num_tokens
+        self.max_num_tokens = max_num_tokens
+
+
 class MessageError(ValueError):
     """A chat message is malformed. ``param`` names the offending field, e.g.
     ``messages[1].content``."""
@@ -126,10 +136,35 @@ class Tokenizer:
         self.special_ids = frozenset(int(i) for i in (hf.all_special_ids or ()))
         self.digest = _dir_digest(path) if path else ""
         self.segments = SegmentCache.build(hf)
+        self.max_token_bytes = _max_token_bytes(hf)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound of the tokens of ``text``, in time linear in its length and far below
+        encoding it: with a byte-level BPE tokenizer every byte of the (normalized) text belongs
+        to exactly one token, and no token stands for more than :attr:`max_token_bytes` bytes.
+        0 (no bound) for other tokenizers."""
+        if self.max_token_bytes is None:
+            return 0
+        normalizer = self.hf.backend_tokenizer.normalizer
+        if normalizer is not None:  # e.g. NFC, which may shorten the text
+            text = normalizer.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
+    def check_fits(self, text: str, max_num_tokens: int | None) -> None:
+        """Raise :class:`PromptTooLong` if ``text`` certainly has more than ``max_num_tokens``
+        tokens (:meth:`min_num_tokens`). The router asks before tokenizing a prompt, so that a
+        text far over the context costs its length in bytes, not an encoding of all of it."""
+        if max_num_tokens is not None and self.max_token_bytes is not None \
+                and len(text) > max_num_tokens:  # fewer characters than tokens allowed: fits
+            n = self.min_num_tokens(text)
+            if n > max_num_tokens:
+                raise PromptTooLong(n, max_num_tokens)
+
+    def encode_prompt(self, text: str, max_num_tokens: int | None = None) -> list[int]:
         """Token ids of a completions prompt string (special tokens added as the tokenizer
-        is configured to, e.g. BOS)."""
+        is configured to, e.g. BOS). Raises :class:`PromptTooLong` without encoding a text
+        that certainly has more than ``max_num_tokens`` tokens."""
+        self.check_fits(text, max_num_tokens)
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -147,9 +182,12 @@ class Tokenizer:
             text = text[0]
         return text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], cache_scope: Hashable = None) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], cache_scope: Hashable = None,
+                            max_num_tokens: int | None = None) -> list[int]:
         """Token ids of ``messages`` under the model's chat template with the generation
-        prompt appended (see module docstring). Raises like :meth:`render_chat`.
+        prompt appended (see module docstring). Raises like :meth:`render_chat`, and
+        :class:`PromptTooLong` without encoding a rendered text that certainly has more than
+        ``max_num_tokens`` tokens.
 
         With a :class:`SegmentCache` (a fast tokenizer whose added tokens all split the text as
         they are, see there) the rendered text is encoded segment by segment, and long segments
@@ -157,6 +195,7 @@ class Tokenizer:
         cache salt: a scope never sees another's entries, not even as a faster answer); the ids
         are exactly those of encoding the whole text."""
         text = self.render_chat(messages)
+        self.check_fits(text, max_num_tokens)
         if self.segments is not None:
             return self.segments.encode(text, cache_scope)
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -272,6 +311,24 @@ class SegmentCache:
             self._cached_chars -= len(old)
 
 
+def _max_token_bytes(hf: Any) -> int | None:
+    """Most bytes of text one token of ``hf`` stands for, where that bounds its token count
+    (:meth:`Tokenizer.min_num_tokens`): a fast byte-level BPE tokenizer (``ByteLevel``
+    pre-tokenizer and decoder), whose vocabulary strings have one character per byte; added
+    tokens stand for their content. None for any other tokenizer (no bound)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" \
+            or "ByteLevel" not in repr(getattr(backend, "pre_tokenizer", None)):
+        return None
+    try:
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        longest = max((len(s) for s in backend.get_vocab(with_added_tokens=False)), default=0)
+    except Exception:
+        return None
+    longest = max([longest, *(len(c.encode("utf-8")) for c in added)])
+    return longest if longest > 0 else None
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
     """Load (once per process and directory) the tokenizer in ``tokenizer_dir`` with
@@ -283,4 +340,4 @@ def load_tokenizer(tokenizer_dir: str) -> Tokenizer:
     return Tokenizer(hf, tokenizer_dir)
 
 
-__all__ = ["Tokenizer", "SegmentCache", "load_tokenizer", "normalize_messages", "MessageError", "CHAT_ROLES"]
+__all__ = ["Tokenizer", "SegmentCache", "PromptTooLong", "load_tokenizer", "normalize_messages", "MessageError", "CHAT_ROLES"]

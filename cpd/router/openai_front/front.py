@@ -26,7 +26,7 @@ from cpd.router.openai_front.validation import (check_union_fields, check_unsupp
                                                 parse_stop, token_range, validation_error, without_token_prompt)
 from cpd.router.protocol import BackendError, GenerationBackend, GenerationChunk, GenerationRequest
 from cpd.router.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES, ClientGoneWhileReading, read_json_body
-from cpd.router.tokenization import MessageError, Tokenizer
+from cpd.router.tokenization import MessageError, PromptTooLong, Tokenizer
 
 log = logging.getLogger("cpd.router.openai_front")
 
@@ -87,7 +87,11 @@ class OpenAIFront:
     async def _completion_prompt(self, prompt: str | list[int], bounds: tuple[int, int] | None = None) -> list[int]:
         """``prompt``: the body's one prompt (:func:`single_prompt`); ``bounds``: its :func:`token_range`."""
         if isinstance(prompt, str):
-            ids = await tokenize(self.tokenizer.encode_prompt, prompt, len(prompt))
+            encode = functools.partial(self.tokenizer.encode_prompt, max_num_tokens=self.max_model_len - 1)
+            try:
+                ids = await tokenize(encode, prompt, len(prompt))
+            except PromptTooLong as e:
+                raise self._too_long("prompt", e) from None
         else:
             ids = list(prompt)
             lo, hi = bounds or token_range(ids) or (0, 0)
@@ -109,8 +113,10 @@ class OpenAIFront:
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
         scope = (current_tenant.get(), cache_salt)
         try:
-            ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope),
-                                 messages, size)
+            ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope,
+                                                   max_num_tokens=self.max_model_len - 1), messages, size)
+        except PromptTooLong as e:
+            raise self._too_long("messages", e) from None
         except MessageError as e:
             raise invalid(str(e), e.param)
         except ValueError as e:
@@ -118,6 +124,12 @@ class OpenAIFront:
         if not ids:
             raise invalid("messages produced an empty prompt", "messages")
         return ids
+
+    def _too_long(self, param: str, e: PromptTooLong) -> APIError:
+        """The context-length 400 of a prompt refused before it was tokenized (:class:`PromptTooLong`)."""
+        return invalid(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                       f"{param} has at least {e.min_num_tokens} tokens, which leaves no room for a completion.",
+                       param, "context_length_exceeded")
 
     async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
         obj = await self._body(request)

@@ -1,0 +1,90 @@
+"""Adversarial session 18 (helper): failure classes the earlier adversarial files do not use.
+
+Findings:
+
+- (see /work/notes/adversarial18.md; filled in at the end of the session)
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from cpd.router.openai_api import create_app
+from cpd.router.protocol import GenerationChunk, GenerationRequest
+from cpd.router.tokenization import Tokenizer
+
+MAX_MODEL_LEN = 2048
+
+
+class _OneToken:
+    """A real GenerationBackend answering every request with one token."""
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        yield GenerationChunk([42], "length", 0)
+
+
+class _Recorder:
+    """Delegates to a tokenizer part, recording the length of every text it is asked to encode."""
+
+    def __init__(self, inner: Any, sizes: list[int]):
+        self._inner, self._sizes = inner, sizes
+
+    def encode(self, text, *a, **kw):
+        self._sizes.append(len(text))
+        return self._inner.encode(text, *a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir):
+    """The OpenAI front over a one-token backend, with a tokenizer that records what it encodes."""
+    from transformers import AutoTokenizer
+    tok = Tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir), tiny_model_dir)
+    sizes: list[int] = []
+    tok.hf = _Recorder(tok.hf, sizes)
+    if tok.segments is not None:
+        tok.segments = _Recorder(tok.segments, sizes)
+    app = create_app(_OneToken(), tiny_model_dir, "tiny", MAX_MODEL_LEN, tokenizer=tok)
+    with TestClient(app) as client:
+        yield client, sizes
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat", "chat-parts"])
+def test_a_text_far_over_the_context_is_refused_without_tokenizing_it(front, kind):
+    """A 3 MB text (the body limit is 16 MiB) cannot fit 2048 tokens: no token of this tokenizer
+    stands for more than 81 bytes. Before, the router tokenized all of it before its context check:
+    live, 8 concurrent 9 MB prompts took 110 s to get their 400s, held every tokenization thread,
+    and an ordinary > 4 KiB chat request waited 105 s behind them."""
+    client, sizes = front
+    text = "alpha béta gamma " * 180_000
+    if kind == "completions":
+        path, body = "/v1/completions", {"prompt": text, "max_tokens": 1}
+    elif kind == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    else:
+        parts = [{"type": "text", "text": text[i:i + 1000]} for i in range(0, len(text), 1000)]
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    sizes.clear()
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in err["message"], err
+    assert max(sizes, default=0) < 1_000_000, f"the router tokenized {max(sizes)} characters for a 400"
+
+
+def test_a_text_that_fits_is_still_served_and_counted_exactly(front):
+    """The bound refuses nothing that fits: 2,000 of this tokenizer's longest token ("\\n" and 80
+    spaces: 162,000 bytes in 2,000 tokens) is served, plain and as a chat message."""
+    client, _ = front
+    text = ("\n" + " " * 80) * 2000
+    r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2000
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text[:-81 * 30]}],
+                                                  "max_tokens": 1})
+    assert r.status_code == 200, r.text
