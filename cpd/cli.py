@@ -84,6 +84,18 @@ def _add_api_keys(cfg: Any, keys: Optional[list[str]], key_files: Optional[list[
         cfg.auth.api_key_files = [*cfg.auth.api_key_files, *key_files]
 
 
+def _check_auth(cfg: Any) -> None:
+    """Exit 2 with one line if the router could not read the API keys or the internal secret
+    (as it would, after every worker had started)."""
+    from cpd.router.api_keys import ApiKeys
+    try:
+        ApiKeys.build(cfg.auth.api_keys, cfg.auth.api_key_files)
+        cfg.auth.secret()
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: auth: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 @config_options
 def serve(cfg: Any = None,
@@ -107,6 +119,7 @@ def serve(cfg: Any = None,
 
     cfg.model.dir = _resolve_model(cfg.model.dir)
     _add_api_keys(cfg, api_key, api_key_file)
+    _check_auth(cfg)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("cpd.deploy").setLevel(logging.INFO)
     stop = {"flag": False, "started": False}

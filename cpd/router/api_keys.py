@@ -66,7 +66,9 @@ class ApiKeys:
         for key, tenant in pairs:
             if not key:
                 raise ValueError("an API key is empty")
-            table[hashlib.sha256(key.encode()).digest()] = tenant or tenant_of_key(key)
+            digest, tenant = hashlib.sha256(key.encode()).digest(), tenant or tenant_of_key(key)
+            if table.setdefault(digest, tenant) != tenant:  # which tenant's KV would it read?
+                raise ValueError(f"an API key is given twice, for tenants {table[digest]!r} and {tenant!r}")
         return cls(table)
 
 

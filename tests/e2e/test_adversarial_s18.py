@@ -7,6 +7,9 @@ Findings:
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
@@ -17,6 +20,7 @@ from cpd.router.protocol import GenerationChunk, GenerationRequest
 from cpd.router.tokenization import Tokenizer
 
 MAX_MODEL_LEN = 2048
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _OneToken:
@@ -88,3 +92,27 @@ def test_a_text_that_fits_is_still_served_and_counted_exactly(front):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text[:-81 * 30]}],
                                                   "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--api-key-file", "/nonexistent/keys"], "/nonexistent/keys"),
+    (["--api-key", ""], "empty"),
+    (["--api-key-file", "{dup}"], "twice"),
+    (["--set", "auth.internal_secret_file=/nonexistent/secret"], "/nonexistent/secret"),
+])
+def test_serve_with_keys_or_a_secret_it_cannot_use_says_so_before_starting(tiny_model_dir, tmp_path, flags, says):
+    """Before, ``cpd serve`` started every worker (loading the model) and then reported only
+    'router exited; see .../router.log' (the reason was in that log), or, for a key file that
+    gives one key to two tenants, served with the last tenant silently (its KV shared with that
+    tenant's). Now each is one line, exit 2, before any process starts."""
+    dup = tmp_path / "keys"
+    dup.write_text("k1 tenant-a\nk2 tenant-b\nk1 tenant-b\n")
+    flags = [f.replace("{dup}", str(dup)) for f in flags]
+    cmd = [sys.executable, "-m", "cpd.cli", "serve", "--model", tiny_model_dir, "--port", "0", *flags]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"cpd serve did not refuse {flags}; it started: {e.stdout!r}")
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert says in out and "starting" not in out and "Traceback" not in out, out
