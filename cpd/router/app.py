@@ -58,7 +58,7 @@ class Router:
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
                  open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
                  timeouts: DispatchTimeouts | None = None, prefill_cost_fit: bool = False,
-                 background_stall_timeout_s: float = 60.0):
+                 background_stall_timeout_s: float = 60.0, queue_remaining: bool = False):
         self.timeouts = timeouts  # router->worker call bounds; None = defaults / CPD_DISPATCH_TIMEOUTS
         self.api_keys = api_keys or ApiKeys({})  # client keys -> tenants (cpd.router.api_keys)
         self.open_paths = tuple(open_paths)
@@ -77,6 +77,7 @@ class Router:
         self.planner_cfg = elastic  # None: roles stay as configured (router.elastic off)
         self.role_window_s = role_window_s
         self.raw_ready_margin_s = raw_ready_margin_s
+        self.queue_remaining = queue_remaining  # router.queue_remaining (cpd.policy.prefill_queue)
         self.elastic: ElasticRoles | None = None
         self.estimates = CostEstimates(LinearCostModel(kv_bytes_per_token=kv_bytes_per_token),
                                        fit_prefill=prefill_cost_fit)
@@ -259,7 +260,8 @@ class Router:
                                             self.metrics, client=None,  # type: ignore[arg-type]  # set in lifespan
                                             max_in_flight=self.max_in_flight,
                                   max_decode_per_worker=self.max_decode_per_worker, timeouts=self.timeouts,
-                                            raw_ready_margin_s=self.raw_ready_margin_s)
+                                            raw_ready_margin_s=self.raw_ready_margin_s,
+                                            queue_remaining=self.queue_remaining)
         if self.planner_cfg is not None:
             from cpd.policy.role_window import RoleWindow
             self.backend.role_window = RoleWindow(self.role_window_s, self.cfg.ttft_slo_s)
@@ -278,6 +280,7 @@ class Router:
             return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
                                   "reason": w.refusal_reason, "max_model_len": w.max_model_len,
                                   "queued_prefill_tokens": w.queued_prefill_tokens,
+                                  "queued_prefill_s": w.queued_prefill_s,
                                   "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
                                   "load": w.last_load, "cost_prior": w.cost_prior,
                                   "last_role_change": w.last_role_change}

@@ -75,7 +75,7 @@ from cpd.router.prefill_relay import post_prefill
 from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
 from cpd.router.staging_release import StagingReleaser
 from cpd.router.timeouts import DispatchTimeouts
-from cpd.router.workers import WorkerSet
+from cpd.router.workers import WorkerInfo, WorkerSet
 from cpd.types import PREFILL_SIDE_ROLES, BlockHash, RequestClass, Role, Tier
 
 if TYPE_CHECKING:
@@ -126,8 +126,10 @@ class CPDBackend:
     def __init__(self, workers: WorkerSet, index: PrefixIndex, namespace: Namespace, cfg: RoutingConfig,
                  estimates: CostEstimates, metrics: RouterMetrics, client: httpx.AsyncClient,
                  max_in_flight: int = 256, max_decode_per_worker: int = 64,
-                 timeouts: DispatchTimeouts | None = None, raw_ready_margin_s: float = 0.25):
+                 timeouts: DispatchTimeouts | None = None, raw_ready_margin_s: float = 0.25,
+                 queue_remaining: bool = False):
         self.workers = workers
+        self.queue_remaining = queue_remaining  # queued_prefill_s: a started prefill counts what remains
         self.raw_ready_margin_s = raw_ready_margin_s  # pending L3 writes: visible this long after the prefill
         self.role_window: RoleWindow | None = None  # elastic roles: fed with every prefill (cpd.router.elastic)
         self.timeouts = timeouts or DispatchTimeouts.from_env()
@@ -318,7 +320,7 @@ class CPDBackend:
         log.debug("route %s decode-append on %s plan=%s", req.request_id, w.worker_id, dataclasses.asdict(d.load_plan))
         first: list[DecodeLine] = []
         w.queued_prefill_tokens += n
-        w.queued_prefill_s += est_s
+        self._queue(w, body.request_id, est_s)
         queued = True
 
         def unqueue() -> None:
@@ -326,7 +328,7 @@ class CPDBackend:
             if queued:
                 queued = False
                 w.queued_prefill_tokens -= n
-                w.queued_prefill_s -= est_s
+                w.queued.remove(body.request_id)
 
         deadline = time.monotonic() + self.timeouts.prefill_s(d.estimated_ttft_s)
         n_out, t_first, started = 0, 0.0, False
@@ -416,6 +418,12 @@ class CPDBackend:
         raise BackendError(f"prefill failed on {', '.join(sorted(run.excluded))}: {last!r}", 503,
                            "service_unavailable", retry_after_s=1)
 
+    def _queue(self, w: WorkerInfo, key: str, est_s: float) -> None:
+        """``key``'s own work ``est_s`` counts in ``w``'s ``queued_prefill_s`` until its first token
+        (with ``queue_remaining``, once its worker reports it running, only what remains of it)."""
+        w.queued.count_elapsed = self.queue_remaining
+        w.queued.add(key, est_s)
+
     async def _prefill(self, run: _Run, d: RouteDecision, hashes: list[BlockHash],
                        sampling: SamplingParams | None = None) -> PrefillAnswer:
         """One ``POST /prefill``, streamed with progress and bounded by it
@@ -441,7 +449,7 @@ class CPDBackend:
         if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
             self.role_window.observe_dispatch(now, d, est_s)
         w.queued_prefill_tokens += n
-        w.queued_prefill_s += est_s
+        self._queue(w, body.request_id, est_s)
         w.running_requests += 1
         if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:  # rule A3 prices spills with it
             w.short_rate.observe(now)
@@ -450,7 +458,8 @@ class CPDBackend:
             dw.pending_handoffs += 1
         ok = False
         try:
-            ans = await post_prefill(self.client, self.timeouts, f"{w.url}/prefill", w.worker_id, body)
+            ans = await post_prefill(self.client, self.timeouts, f"{w.url}/prefill", w.worker_id, body,
+                                     on_running=lambda: w.queued.start(body.request_id, time.monotonic()))
             ok = True
         except (asyncio.CancelledError, httpx.TransportError, asyncio.TimeoutError):
             # abandoned (client gone, worker failed): the worker may have staged the KV and written its
@@ -459,7 +468,7 @@ class CPDBackend:
             raise
         finally:
             w.queued_prefill_tokens -= n
-            w.queued_prefill_s -= est_s
+            w.queued.remove(body.request_id)
             w.running_requests -= 1
             if dw is not None:  # from here the decode relay counts it in running_requests
                 dw.pending_handoffs -= 1

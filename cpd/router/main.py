@@ -55,6 +55,7 @@ def build_router(cfg: Config) -> Router:
                   routing=routing_config(cfg),
                   elastic=r.planner if r.elastic else None, role_window_s=r.role_window_s,
                   raw_ready_margin_s=r.raw_ready_margin_s, prefill_cost_fit=r.prefill_cost_fit,
+                  queue_remaining=r.queue_remaining,
                   max_in_flight=r.max_in_flight, max_decode_per_worker=r.decode_slots(cfg.engine.max_num_seqs),
                   max_request_body_bytes=r.max_request_body_bytes, api_keys=api_keys,
                   open_paths=tuple(cfg.auth.open_paths), internal_secret=secret, timeouts=timeouts,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 import msgspec
@@ -32,8 +32,10 @@ class PrefillStalled(asyncio.TimeoutError):
 
 
 async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, url: str, worker_id: str,
-                       body: PrefillRequest) -> PrefillAnswer:
+                       body: PrefillRequest, on_running: Callable[[], None] | None = None) -> PrefillAnswer:
     """Send ``body`` (with ``stream_progress`` set) to ``url`` and return the answer line.
+    ``on_running``: called for each progress line that reports the request running (or held:
+    computed) on the worker, i.e. no longer queued there.
 
     Raises:
         PrefillStalled: no line within ``prefill_idle_s`` (headers included, plus ``connect_s``),
@@ -59,7 +61,7 @@ async def post_prefill(client: httpx.AsyncClient, timeouts: DispatchTimeouts, ur
                 raise PrefillStalled(f"{worker_id} refused: {raw[:200].decode(errors='replace')}")
             raise BackendError(f"prefill worker {worker_id} error: {raw[:200].decode(errors='replace')}", 502,
                                "server_error")
-        return await _answer(r.aiter_lines(), timeouts, sent_s, worker_id)
+        return await _answer(r.aiter_lines(), timeouts, sent_s, worker_id, on_running)
     finally:
         await r.aclose()
 
@@ -69,16 +71,17 @@ def _with_progress(body: PrefillRequest) -> PrefillRequest:
 
 
 async def _answer(lines: AsyncIterator[str], timeouts: DispatchTimeouts, sent_s: float,
-                  worker_id: str) -> PrefillAnswer:
+                  worker_id: str, on_running: Callable[[], None] | None = None) -> PrefillAnswer:
     """Read progress lines until the answer line, each wait bounded by the progress so far."""
     reader = LineReader(lines)
     try:
-        return await _read_answer(reader, timeouts, sent_s, worker_id)
+        return await _read_answer(reader, timeouts, sent_s, worker_id, on_running)
     finally:
         await reader.aclose()
 
 
-async def _read_answer(reader: LineReader, timeouts: DispatchTimeouts, sent_s: float, worker_id: str) -> PrefillAnswer:
+async def _read_answer(reader: LineReader, timeouts: DispatchTimeouts, sent_s: float, worker_id: str,
+                       on_running: Callable[[], None] | None = None) -> PrefillAnswer:
     last_line_s = last_step_s = sent_s
     steps: int | None = None
     while True:
@@ -106,6 +109,8 @@ async def _read_answer(reader: LineReader, timeouts: DispatchTimeouts, sent_s: f
         if msg.engine_stuck:
             raise PrefillStalled(f"{worker_id}: its engine is stuck (a step past its bound; request "
                                  f"{msg.request_state or 'unknown'}); engine steps seen: {msg.num_engine_steps}")
+        if on_running is not None and msg.request_state in ("running", "held"):
+            on_running()
         if msg.num_engine_steps != steps:
             steps, last_step_s = msg.num_engine_steps, last_line_s
         _check_progress(timeouts, sent_s, last_line_s, last_step_s, worker_id, steps)

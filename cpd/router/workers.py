@@ -17,6 +17,7 @@ import httpx
 import msgspec
 
 from cpd.messages.worker_api import LoadReport, decode_body
+from cpd.policy.prefill_queue import QueuedPrefills
 from cpd.policy.routing import ArrivalRate, WorkerLoad
 from cpd.types import PREFILL_SIDE_ROLES, Role
 
@@ -32,7 +33,8 @@ class WorkerInfo:
         url: base URL of its internal HTTP API.
         events_endpoint: ZMQ endpoint of its KV-event publisher.
         queued_prefill_tokens: prompt tokens dispatched and not yet prefilled.
-        queued_prefill_s: sum of the policy's estimates for those requests (seconds).
+        queued: the policy's estimates for those requests (:class:`cpd.policy.prefill_queue.QueuedPrefills`;
+            ``queued_prefill_s``: their sum now, with ``router.queue_remaining`` a started one's remaining part).
         running_requests: requests dispatched and not finished on this worker.
         pending_handoffs: decode workers: requests routed here whose prefill is still running on a
             prefill-side worker (routing rule 6 counts them with the running ones).
@@ -56,7 +58,7 @@ class WorkerInfo:
     url: str
     events_endpoint: str
     queued_prefill_tokens: int = 0
-    queued_prefill_s: float = 0.0
+    queued: QueuedPrefills = field(default_factory=QueuedPrefills)
     running_requests: int = 0
     pending_handoffs: int = 0
     kv_usage: float = 0.0
@@ -72,13 +74,18 @@ class WorkerInfo:
     short_rate: ArrivalRate = field(default_factory=ArrivalRate)
 
     @property
+    def queued_prefill_s(self) -> float:
+        """Predicted prefill work queued here now (seconds)."""
+        return self.queued.queued_s(time.monotonic())
+
+    @property
     def usable(self) -> bool:
         """Healthy and accepted: the policy may route to it."""
         return self.healthy and self.state == "accepted"
 
     def snapshot(self) -> WorkerLoad:
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
-                          self.kv_usage, self.usable, queued_prefill_s=max(0.0, self.queued_prefill_s),
+                          self.kv_usage, self.usable, queued_prefill_s=self.queued_prefill_s,
                           pending_handoffs=max(0, self.pending_handoffs),
                           short_arrivals_per_s=self.short_rate.per_s(time.monotonic()))
 

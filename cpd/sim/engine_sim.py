@@ -35,6 +35,7 @@ from cpd.kv.block_hash import hash_blocks_u32le
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
 from cpd.policy.routing import ArrivalRate, Overloaded, RoutingConfig, WorkerLoad, max_cached_blocks, route, work_s
+from cpd.policy.prefill_queue import QueuedPrefills
 from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
 from cpd.router.index import PrefixIndex
@@ -232,6 +233,8 @@ class EngineClusterSpec:
     # kv_event_delay_s is added, and the blocks are readable in L3 from the step's end.
     idle_flush_s: float = 0.05  # the idle worker loop's event flush period (cpd.worker.runtime: 0.05 s wall; / K)
     cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
+    queue_remaining: bool = False  # queued_prefill_s counts a started prefill's remaining estimate (its
+    # estimate less the time since the step that started it), not the whole one until its first token
     request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
     # live stack's per-request work that an engine step's cost does not hold (HTTP, the handoff's staging)
 
@@ -247,7 +250,7 @@ class _Inst:
     busy: bool = False
     busy_s: float = 0.0
     queued_prefill_tokens: int = 0
-    queued_prefill_s: float = 0.0
+    queued: QueuedPrefills = field(default_factory=QueuedPrefills)  # the WorkerLoad's queued_prefill_s
     running_requests: int = 0
     pending_handoffs: int = 0  # decode: routed here, KV not imported yet
     step_version: int = 0  # shared cores: the current completion event of the running step
@@ -296,6 +299,8 @@ class EngineSimulator:
             k = counts[spec.role] = counts.get(spec.role, -1) + 1
             self.insts.append(self._instance(f"{spec.role}-{k}", spec))
         self.by_id = {w.wid: w for w in self.insts}
+        for w in self.insts:
+            w.queued.count_elapsed = cluster.queue_remaining
         if self.estimates is not None and cluster.learn_like_live:
             for w, spec in zip(self.insts, cluster.instances):
                 self.estimates.advertise(w.wid, instance_cost_prior(spec, has_l3=w.l3_writer is not None))
@@ -455,7 +460,7 @@ class EngineSimulator:
 
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
-                           w.engine.load_stats()["kv_usage"], True, queued_prefill_s=max(0.0, w.queued_prefill_s),
+                           w.engine.load_stats()["kv_usage"], True, queued_prefill_s=w.queued.queued_s(self.now),
                            pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now))
                 for w in self.insts]
 
@@ -483,7 +488,7 @@ class EngineSimulator:
         if self.role_window is not None and d.pool in PREFILL_SIDE_ROLES:
             self.role_window.observe_dispatch(now, d, est_s)
         w.queued_prefill_tokens += len(toks)
-        w.queued_prefill_s += est_s
+        w.queued.add(i, est_s)
         w.running_requests += 1
         if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:
             w.short_rate.observe(now)
@@ -533,6 +538,8 @@ class EngineSimulator:
         if not w.engine.has_unfinished():
             return
         outs = w.engine.step()
+        if w.queued.count_elapsed and w.role != DECODE:  # a decode-local append counts whole (as live)
+            self._note_started(now, w)
         dt = w.clock.take()
         if self.c.request_overhead_s > 0 and outs:
             dt += self.c.request_overhead_s * self._num_first_tokens(outs)
@@ -548,6 +555,13 @@ class EngineSimulator:
         w.step_outs = outs
         self._share.start(now, w.wid, dt)
         self._reschedule_shared()
+
+    def _note_started(self, now: float, w: _Inst) -> None:
+        """Prefills queued on ``w`` that the step starting at ``now`` computes (or has computed): from
+        here their remaining estimate counts (:class:`QueuedPrefills`, ``queue_remaining``)."""
+        for k in w.queued.unstarted():
+            if w.engine.request_state(str(k)) in ("running", "held"):
+                w.queued.start(k, now)
 
     def _num_first_tokens(self, outs) -> int:
         """Requests whose first token is among ``outs`` (their prefill ends in this step)."""
@@ -607,7 +621,7 @@ class EngineSimulator:
                 rec["ttft_t"] = now
                 wid = self.by_id[rec["worker"]]
                 wid.queued_prefill_tokens -= self.reqs[i].prompt_tokens
-                wid.queued_prefill_s -= rec["est_s"]
+                wid.queued.remove(i)
                 if rec["pool"] != DECODE:  # a decode-local append keeps running there until done
                     wid.running_requests -= 1
                 if self.estimates is not None:  # as the live dispatch records a prefill answer
