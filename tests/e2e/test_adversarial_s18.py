@@ -116,3 +116,43 @@ def test_serve_with_keys_or_a_secret_it_cannot_use_says_so_before_starting(tiny_
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
     assert says in out and "starting" not in out and "Traceback" not in out, out
+
+
+def test_a_chat_of_many_messages_is_checked_off_the_event_loop(front, monkeypatch):
+    """A 15 MB body of 450,000 one-character messages: the router validated every message on its
+    event loop (twice: the message check and the request model, 1.2 s per request here) before
+    the context check, so every other request and stream of the router stood still meanwhile:
+    live, 4 such requests held GET /health for 5-10 s. Now a chat body of many messages is
+    checked in a worker thread, and the request model is given one already-checked message."""
+    import threading
+
+    from cpd.router import tokenization
+    from cpd.router.openai_front import validation
+    client, _ = front
+    loop_threads: set[int] = set()
+    on_loop: list[int] = []
+    real = tokenization.normalize_messages
+
+    def recording(messages):
+        if isinstance(messages, list) and len(messages) > 1000 and threading.get_ident() in loop_threads:
+            on_loop.append(len(messages))
+        return real(messages)
+
+    monkeypatch.setattr(validation, "normalize_messages", recording)
+    monkeypatch.setattr(tokenization, "normalize_messages", recording)
+
+    @client.app.get("/s18/loop-thread")
+    async def loop_thread():
+        loop_threads.add(threading.get_ident())
+        return {}
+
+    client.get("/s18/loop-thread")
+    assert loop_threads
+    for content in ("a", ""):  # "": the template alone is over the context
+        body = {"messages": [{"role": "user", "content": content}] * 200_000, "max_tokens": 1}
+        r = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert not on_loop, f"messages checked on the event loop: {on_loop} (content {content!r})"
+    bad = {"messages": [{"role": "user", "content": "a"}] * 5000 + [{"role": "robot", "content": "a"}]}
+    r = client.post("/v1/chat/completions", json=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[5000].role", r.text

@@ -31,6 +31,7 @@ from cpd.router.tokenization import MessageError, PromptTooLong, Tokenizer
 log = logging.getLogger("cpd.router.openai_front")
 
 _LONG_TEXT_CHARS = 4096  # tokenize longer inputs in a worker thread
+_MANY_MESSAGES = 1000  # check chat bodies of more messages in a worker thread
 
 
 @dataclass
@@ -111,6 +112,8 @@ class OpenAIFront:
             raise invalid("'messages' is a required property", "messages")
         size = sum(len(str(m.get("content", ""))) for m in messages
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
+        if isinstance(messages, list) and len(messages) > _MANY_MESSAGES:
+            size = max(size, _LONG_TEXT_CHARS + 1)  # rendering them is long too
         scope = (current_tenant.get(), cache_salt)
         try:
             ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope,
@@ -131,15 +134,28 @@ class OpenAIFront:
                        f"{param} has at least {e.min_num_tokens} tokens, which leaves no room for a completion.",
                        param, "context_length_exceeded")
 
-    async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
-        obj = await self._body(request)
+    @staticmethod
+    def _validate(obj: dict[str, Any], chat: bool) -> tuple[str | list[int] | None, tuple[int, int] | None,
+                                                           ChatCompletionRequest | CompletionRequest]:
+        """The body's one completions prompt, its token range and the request model. Chat
+        messages are checked once, by :func:`check_union_fields`; the model is given the first
+        of them as a stand-in (as :func:`without_token_prompt` does for token ids)."""
         prompt = check_union_fields(obj, chat)
         bounds = token_range(prompt)
         model_cls = ChatCompletionRequest if chat else CompletionRequest
+        stand_in = {**obj, "messages": obj["messages"][:1]} if chat else without_token_prompt(obj, prompt, bounds)
         try:
-            req = model_cls.model_validate(without_token_prompt(obj, prompt, bounds))
+            return prompt, bounds, model_cls.model_validate(stand_in)
         except ValidationError as e:
             raise validation_error(e)
+
+    async def _prepare(self, request: Request, chat: bool, arrival: float) -> Prepared:
+        obj = await self._body(request)
+        messages = obj.get("messages") if chat else None
+        if isinstance(messages, list) and len(messages) > _MANY_MESSAGES:  # per-message work off the event loop
+            prompt, bounds, req = await asyncio.to_thread(self._validate, obj, chat)
+        else:
+            prompt, bounds, req = self._validate(obj, chat)
         self._check_model(req.model)
         check_unsupported(req, chat)
         check_unsupported_extensions(obj, chat)
