@@ -156,3 +156,43 @@ def test_a_chat_of_many_messages_is_checked_off_the_event_loop(front, monkeypatc
     bad = {"messages": [{"role": "user", "content": "a"}] * 5000 + [{"role": "robot", "content": "a"}]}
     r = client.post("/v1/chat/completions", json=bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[5000].role", r.text
+
+
+def test_oversized_chats_being_rendered_do_not_hold_up_ordinary_requests(front, monkeypatch):
+    """A chat body of many messages costs seconds of template rendering before its context check
+    (16 s each for 450,000 messages here). Those renders ran in the thread pool every long prompt
+    is tokenized in (6 threads on 2 cores), so 6 of them held up every ordinary request with a
+    prompt over 4 KiB until they were done. Here the renders of 8 such bodies are held until the
+    end: an ordinary 5,000-character chat request must be answered meanwhile."""
+    import threading
+    client, _ = front
+    tok = client.app.state.front.tokenizer
+    release = threading.Event()
+    entered: list[int] = []
+    real = type(tok).render_chat
+
+    def held(messages):
+        if len(messages) > 1000:
+            entered.append(len(messages))
+            release.wait(60)
+        return real(tok, messages)
+
+    monkeypatch.setattr(tok, "render_chat", held)
+    big = {"messages": [{"role": "user", "content": ""}] * 2000, "max_tokens": 1}
+    hogs = [threading.Thread(target=client.post, args=("/v1/chat/completions",), kwargs={"json": big}, daemon=True)
+            for _ in range(8)]
+    try:
+        for t in hogs:
+            t.start()
+        done: dict = {}
+        ordinary = threading.Thread(target=lambda: done.update(r=client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello " * 900}], "max_tokens": 1})),
+            daemon=True)
+        ordinary.start()
+        ordinary.join(30)
+        assert "r" in done, f"an ordinary request waited behind {len(entered)} oversized renders"
+        assert done["r"].status_code == 200, done["r"].text
+    finally:
+        release.set()
+        for t in hogs:
+            t.join(60)

@@ -4,6 +4,7 @@ as one JSON body or as a server-sent event stream."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -49,7 +50,17 @@ class Prepared:
     return_token_ids: bool = False
 
 
-async def tokenize(fn: Callable[[Any], list[int]], arg: Any, size: int) -> list[int]:
+_OVERSIZED_CHARS = 1 << 18  # inputs this long (or of more than _MANY_MESSAGES messages) are oversized
+# Oversized inputs are tokenized on threads of their own, so that however many arrive at once they
+# only wait for each other, never hold up an ordinary long prompt (the default executor's threads).
+_OVERSIZED_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cpd-oversized-prompt")
+
+
+async def tokenize(fn: Callable[[Any], list[int]], arg: Any, size: int, oversized: bool = False) -> list[int]:
+    """``fn(arg)``: here for short inputs, in a thread for long ones (``size`` characters), on the
+    oversized inputs' own threads for those of at least ``_OVERSIZED_CHARS`` or ``oversized``."""
+    if oversized or size >= _OVERSIZED_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(_OVERSIZED_POOL, fn, arg)
     if size > _LONG_TEXT_CHARS:
         return await asyncio.to_thread(fn, arg)
     return fn(arg)
@@ -112,12 +123,11 @@ class OpenAIFront:
             raise invalid("'messages' is a required property", "messages")
         size = sum(len(str(m.get("content", ""))) for m in messages
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
-        if isinstance(messages, list) and len(messages) > _MANY_MESSAGES:
-            size = max(size, _LONG_TEXT_CHARS + 1)  # rendering them is long too
+        many = isinstance(messages, list) and len(messages) > _MANY_MESSAGES  # rendering them is long too
         scope = (current_tenant.get(), cache_salt)
         try:
             ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope,
-                                                   max_num_tokens=self.max_model_len - 1), messages, size)
+                                                   max_num_tokens=self.max_model_len - 1), messages, size, many)
         except PromptTooLong as e:
             raise self._too_long("messages", e) from None
         except MessageError as e:
