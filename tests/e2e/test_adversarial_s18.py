@@ -178,7 +178,7 @@ def test_oversized_chats_being_rendered_do_not_hold_up_ordinary_requests(front, 
         return real(tok, messages)
 
     monkeypatch.setattr(tok, "render_chat", held)
-    big = {"messages": [{"role": "user", "content": ""}] * 2000, "max_tokens": 1}
+    big = {"messages": [{"role": "user", "content": ""}] * 3000, "max_tokens": 1}  # more than 2,048
     hogs = [threading.Thread(target=client.post, args=("/v1/chat/completions",), kwargs={"json": big}, daemon=True)
             for _ in range(8)]
     try:

@@ -50,16 +50,16 @@ class Prepared:
     return_token_ids: bool = False
 
 
-_OVERSIZED_CHARS = 1 << 18  # inputs this long (or of more than _MANY_MESSAGES messages) are oversized
-# Oversized inputs are tokenized on threads of their own, so that however many arrive at once they
-# only wait for each other, never hold up an ordinary long prompt (the default executor's threads).
+# Oversized inputs (OpenAIFront.oversized: more than the context can hold) are tokenized on threads
+# of their own, so that however many arrive at once they only wait for each other, never hold up a
+# prompt that may fit (the default executor's threads).
 _OVERSIZED_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cpd-oversized-prompt")
 
 
 async def tokenize(fn: Callable[[Any], list[int]], arg: Any, size: int, oversized: bool = False) -> list[int]:
     """``fn(arg)``: here for short inputs, in a thread for long ones (``size`` characters), on the
-    oversized inputs' own threads for those of at least ``_OVERSIZED_CHARS`` or ``oversized``."""
-    if oversized or size >= _OVERSIZED_CHARS:
+    oversized inputs' own threads for ``oversized`` ones."""
+    if oversized:
         return await asyncio.get_running_loop().run_in_executor(_OVERSIZED_POOL, fn, arg)
     if size > _LONG_TEXT_CHARS:
         return await asyncio.to_thread(fn, arg)
@@ -82,6 +82,11 @@ class OpenAIFront:
         self.vocab_size = int(vocab_size if vocab_size is not None else tokenizer.vocab_size)
         self.created = int(time.time())
         self.max_request_body_bytes = int(max_request_body_bytes)
+        # Inputs that cannot fit the context: more characters than its tokens can stand for (a
+        # generous 32 a token where the tokenizer gives no bound), or more chat messages than it
+        # has tokens (every chat template writes at least a role marker per message).
+        self.oversized_chars = self.max_model_len * (getattr(tokenizer, "max_token_bytes", None) or 32)
+        self.oversized_messages = max(_MANY_MESSAGES, self.max_model_len)
 
     # -- request preparation ------------------------------------------------------------
 
@@ -101,7 +106,7 @@ class OpenAIFront:
         if isinstance(prompt, str):
             encode = functools.partial(self.tokenizer.encode_prompt, max_num_tokens=self.max_model_len - 1)
             try:
-                ids = await tokenize(encode, prompt, len(prompt))
+                ids = await tokenize(encode, prompt, len(prompt), len(prompt) > self.oversized_chars)
             except PromptTooLong as e:
                 raise self._too_long("prompt", e) from None
         else:
@@ -123,11 +128,12 @@ class OpenAIFront:
             raise invalid("'messages' is a required property", "messages")
         size = sum(len(str(m.get("content", ""))) for m in messages
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
-        many = isinstance(messages, list) and len(messages) > _MANY_MESSAGES  # rendering them is long too
+        oversized = size > self.oversized_chars or (isinstance(messages, list)
+                                                    and len(messages) > self.oversized_messages)
         scope = (current_tenant.get(), cache_salt)
         try:
             ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope,
-                                                   max_num_tokens=self.max_model_len - 1), messages, size, many)
+                                                   max_num_tokens=self.max_model_len - 1), messages, size, oversized)
         except PromptTooLong as e:
             raise self._too_long("messages", e) from None
         except MessageError as e:
