@@ -1,8 +1,37 @@
 """Adversarial session 18 (helper): failure classes the earlier adversarial files do not use.
+In-process OpenAI front (real tokenizer, a one-token backend, no deployment) and ``cpd serve``
+subprocesses; ~1 minute. Notes and probe figures: /work/notes/adversarial18.md.
 
-Findings:
+Findings (each test here failed before its fix):
 
-- (see /work/notes/adversarial18.md; filled in at the end of the session)
+- Work before the context check grew with the body (up to the 16 MiB limit), not with the context.
+  (a) A text prompt or chat far over the context was tokenized whole before being refused: live,
+  8 concurrent 9 MB prompts took 110 s to get their 400s and held every tokenization thread, so an
+  ordinary > 4 KiB chat request waited 105 s. A byte-level BPE tokenizer bounds the token count
+  from below in linear time (no token stands for more than its longest, 81 bytes for SmolLM2):
+  such a text is now refused with ``context_length_exceeded`` ("at least N tokens") unencoded
+  (0.3-0.5 s each, the ordinary request 0.03 s). (b) A chat of 450,000 one-character (or empty)
+  messages was validated twice on the event loop (1.2 s a request) and, with empty contents,
+  rendered on it: 4 such requests held GET /health and every stream for 5-10 s (0.77 s after).
+  (c) Their template rendering (~16 s each) ran in the thread pool every > 4 KiB prompt uses:
+  inputs more than the context can hold now run on two threads of their own.
+- ``cpd serve`` with an API key file it cannot read, an empty ``--api-key`` or an unreadable
+  ``auth.internal_secret_file`` started every worker and then said only "router exited; see
+  router.log"; a key file giving one key to two tenants was accepted (last tenant silently won).
+  Now one line, exit 2, before anything starts; a key given to two tenants is refused.
+
+What held (live probes, cpd/pd deployments of the tiny model in float32; no test beyond this file):
+usage (prompt, completion and cached tokens) cold, L1-warm, decode-local append, streamed with
+``include_usage`` and plain; the official ``openai`` client (streams with usage, batch of one token
+list, 2-prompt batches, out-of-vocabulary ids, seeds at the int64/uint64 edges, ``tools``,
+``parallel_tool_calls``, ``store``, ``metadata``, ``service_tier``, ``developer`` role, 4/5 stops,
+``max_tokens`` exactly to the context); sampling edge values (temperature 5e-324, top_p 5e-324,
+min_p 1, top_k 1e9 / -1, repetition_penalty 5e-324 / 1e308); invalid UTF-8, overlong encodings,
+lone surrogates in prompt, stop and cache_salt; stop strings cut at random places, with
+``min_tokens``, streamed vs plain (30 prompts); a 30-request identical-prompt storm with 40 %
+hang-ups (adaptive cpd, 3 rounds); 10 multi-turn sessions with twins and hang-ups on ``pd`` 1+2,
+TCP handoff, decode-local appends, 96-block pools (exact, usage right, nothing leaked); an L3 file
+store on a full 600 KiB tmpfs (exact answers, no partial chunk files); 12 ``cpd serve`` flag errors.
 """
 from __future__ import annotations
 
