@@ -182,7 +182,7 @@ class OpenAIFront:
         if req.stream_options is not None and not stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
-        stop_ids = list(req.stop_token_ids or ())
+        stop_ids = sorted(set(req.stop_token_ids or ()))  # each once: a repeated id changes nothing
         for t in stop_ids:
             if not 0 <= t < self.vocab_size:
                 raise invalid(f"stop token id {t} is outside the vocabulary", "stop_token_ids")
