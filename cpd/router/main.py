@@ -16,12 +16,12 @@ Workers whose namespace or context differs from ``served`` are refused at run ti
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 import uvicorn
 from fastapi import FastAPI
 
+from cpd.log_level import configure_logging
 from cpd.config import (FLAGS, Config, ConfigError, add_argparse_flags, argparse_overrides, build_config,
                         parse_assignments, routing_config)
 from cpd.kv.block_hash import Namespace
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     router_flags = [f for f in FLAGS if f.router]
     add_argparse_flags(p, router_flags)
     a = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
+    configure_logging("cpd router")
     try:
         cfg = build_config(a.config, {**_standalone_overrides(a), **argparse_overrides(a, router_flags),
                                       **parse_assignments(a.set_)})

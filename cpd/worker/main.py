@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from cpd.log_level import configure_logging
 from cpd.config import FLAGS, Config, ConfigError, argparse_overrides, add_argparse_flags, build_config, parse_assignments
 
 from cpd.worker.runtime import EngineRunner, StepHealth
@@ -188,7 +189,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> None:
     me, cfg = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CPD_LOG_LEVEL", "WARNING"))
+    configure_logging("cpd worker")
     sock = _bound_socket(me.host, me.port)  # before the model loads: a port in use fails at once
     try:
         st = build_state(me, cfg)

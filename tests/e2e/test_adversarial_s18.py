@@ -244,3 +244,15 @@ def test_stop_token_ids_go_on_once_each(tiny_model_dir):
                                                  "stop_token_ids": [7, 3, 7] * 300_000 + [5]})
     assert r.status_code == 200, r.text
     assert sorted(seen[0].sampling.stop_token_ids) == [3, 5, 7], len(seen[0].sampling.stop_token_ids)
+
+
+@pytest.mark.parametrize("program", ["router", "worker"])
+def test_a_log_level_that_is_not_one_is_a_clear_error(tiny_model_dir, program):
+    """``CPD_LOG_LEVEL=bogus`` ended ``cpd router`` / ``cpd worker`` in a ValueError traceback."""
+    import os
+    args = ["--served-from", "http://127.0.0.1:1"] if program == "router" else \
+        ["--role", "prefill", "--model", tiny_model_dir, "--port", "0"]
+    p = subprocess.run([sys.executable, "-m", "cpd.cli", program, *args], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "CPD_LOG_LEVEL": "bogus"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "CPD_LOG_LEVEL" in out and "Traceback" not in out, out
