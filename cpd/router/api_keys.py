@@ -86,13 +86,31 @@ def parse_key_file(text: str, source: str = "<keys>") -> list[tuple[str, str | N
     return out
 
 
+MAX_PLAIN_SALT_CHARS = 128
+"""Longer namespace salts are replaced by :data:`SALT_DIGEST_PREFIX` + their SHA-256 (:func:`compact_salt`)."""
+SALT_DIGEST_PREFIX = "sha256:"
+
+
+def compact_salt(salt: str) -> str:
+    """``salt`` itself when it has at most :data:`MAX_PLAIN_SALT_CHARS` characters, else its digest
+    form (``sha256:`` + 64 hex digits). The salt only tells namespaces apart, but every cache
+    keyed by namespace (root hashes, the tokenizer's pieces) and every worker call carried it
+    whole: a client's distinct 1 MB salts each stayed in the router's and the workers' memory. A
+    short salt that starts with the prefix is hashed too, so that no salt ever equals another's
+    digest form: distinct salts stay distinct (up to SHA-256 collisions)."""
+    if len(salt) <= MAX_PLAIN_SALT_CHARS and not salt.startswith(SALT_DIGEST_PREFIX):
+        return salt
+    return SALT_DIGEST_PREFIX + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def effective_cache_salt(tenant: str | None, body_salt: str | None) -> str | None:
     """The namespace salt of a request: the authenticated tenant, narrowed by the body's salt.
     Without a tenant (no keys configured) the body's salt is used as given. The encoding is
-    unambiguous: no (tenant, body salt) pair produces another pair's salt."""
+    unambiguous: no (tenant, body salt) pair produces another pair's salt. Long salts are kept
+    as their digest (:func:`compact_salt`)."""
     if tenant is None:
-        return body_salt
-    return json.dumps(["tenant", tenant, body_salt], separators=(",", ":"))
+        return None if body_salt is None else compact_salt(body_salt)
+    return compact_salt(json.dumps(["tenant", tenant, body_salt], separators=(",", ":")))
 
 
 def _unauthorized(message: str) -> bytes:
@@ -148,5 +166,5 @@ class TenantScopedBackend:
         return getattr(self.inner, name)
 
 
-__all__ = ["ApiKeys", "ApiKeyMiddleware", "TenantScopedBackend", "effective_cache_salt", "parse_key_file",
+__all__ = ["ApiKeys", "ApiKeyMiddleware", "TenantScopedBackend", "effective_cache_salt", "compact_salt", "parse_key_file",
            "tenant_of_key", "current_tenant", "DEFAULT_OPEN_PATHS"]

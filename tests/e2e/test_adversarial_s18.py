@@ -256,3 +256,33 @@ def test_a_log_level_that_is_not_one_is_a_clear_error(tiny_model_dir, program):
                        timeout=120, cwd=ROOT, env={**os.environ, "CPD_LOG_LEVEL": "bogus"})
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "CPD_LOG_LEVEL" in out and "Traceback" not in out, out
+
+
+def test_a_long_cache_salt_is_kept_as_a_digest(tiny_model_dir):
+    """Each distinct cache_salt stayed in per-namespace caches of the router and of every worker
+    that hashed its blocks (the root-hash table holds 4,096 namespaces, whatever their size) and
+    travelled with every worker call: live, 300 chat requests with distinct 1 MB salts grew the
+    router by 330 MB and the prefill worker by 288 MB, and 300 more by as much again (a client
+    under the 16 MiB body limit could exhaust memory). A salt over 128 characters now becomes
+    'sha256:' + its digest at the router's door (as does any salt that starts like one, so that no
+    two salts meet); shorter salts are unchanged."""
+    from cpd.router.api_keys import TenantScopedBackend, effective_cache_salt
+    seen: list[str | None] = []
+
+    class Recording(_OneToken):
+        async def generate(self, req):
+            seen.append(req.cache_salt)
+            yield GenerationChunk([42], "length", 0)
+
+    long_a, long_b = "a" * 1_000_000, "a" * 999_999 + "b"
+    app = create_app(TenantScopedBackend(Recording()), tiny_model_dir, "tiny", MAX_MODEL_LEN)
+    salts = [long_a, long_b, long_a, "x", effective_cache_salt(None, long_a) or ""]
+    with TestClient(app) as client:
+        for salt in salts:
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 1, "cache_salt": salt})
+            assert r.status_code == 200, r.text
+    assert all(s is not None and len(s) <= 128 for s in seen), [len(s or "") for s in seen]
+    assert seen[0] == seen[2] and len({seen[0], seen[1], seen[3], seen[4]}) == 4 and seen[3] == "x", seen
+    tenant_salts = {effective_cache_salt(t, b) for t in ("alice", "bob") for b in (None, long_a, long_b)}
+    assert len(tenant_salts) == 6 and all(len(s or "") <= 128 for s in tenant_salts)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from cpd.messages.sampling import SamplingParams
-from cpd.router.api_keys import current_tenant
+from cpd.router.api_keys import current_tenant, effective_cache_salt
 from cpd.router.errors import INVALID_REQUEST, SERVER_ERROR, APIError, error_response, invalid, type_for_status
 from cpd.router.openai_front.cancel import CancelOnDisconnect, ClientGone, aclose_quietly
 from cpd.router.openai_front.models import DEFAULT_COMPLETIONS_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
@@ -130,7 +130,7 @@ class OpenAIFront:
                    if isinstance(m, dict)) if isinstance(messages, list) else 0
         oversized = size > self.oversized_chars or (isinstance(messages, list)
                                                     and len(messages) > self.oversized_messages)
-        scope = (current_tenant.get(), cache_salt)
+        scope = effective_cache_salt(current_tenant.get(), cache_salt)  # the namespace's salt: bounded
         try:
             ids = await tokenize(functools.partial(self.tokenizer.apply_chat_template, cache_scope=scope,
                                                    max_num_tokens=self.max_model_len - 1), messages, size, oversized)
