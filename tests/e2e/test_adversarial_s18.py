@@ -1,6 +1,6 @@
 """Adversarial session 18 (helper): failure classes the earlier adversarial files do not use.
 In-process OpenAI front (real tokenizer, a one-token backend, no deployment) and ``cpd serve``
-subprocesses; ~1 minute. Notes and probe figures: /work/notes/adversarial18.md.
+subprocesses; ~15 s. Notes and probe figures: /work/notes/adversarial18.md.
 
 Findings (each test here failed before its fix):
 
@@ -15,6 +15,14 @@ Findings (each test here failed before its fix):
   rendered on it: 4 such requests held GET /health and every stream for 5-10 s (0.77 s after).
   (c) Their template rendering (~16 s each) ran in the thread pool every > 4 KiB prompt uses:
   inputs more than the context can hold now run on two threads of their own.
+- 1,000,000 ``stop_token_ids`` (6 MB) were checked one by one and shipped with every worker call:
+  3 such requests stalled a concurrent stream 0.89 s. Each distinct id now goes on once.
+- Memory: each distinct ``cache_salt`` stayed whole in per-namespace caches (the root-hash table,
+  4,096 namespaces of any size, in the router and every worker that hashed the request; the
+  tokenizer's piece-cache scope): 300 chat requests with distinct 1 MB salts grew the router by
+  330 MB and the prefill worker by 288 MB, and 300 more by as much again. A salt over 128
+  characters is now kept as ``sha256:`` + its digest (+3 MB per 300 after).
+- ``CPD_LOG_LEVEL=bogus`` ended ``cpd router`` / ``cpd worker`` in a traceback; now one line.
 - ``cpd serve`` with an API key file it cannot read, an empty ``--api-key`` or an unreadable
   ``auth.internal_secret_file`` started every worker and then said only "router exited; see
   router.log"; a key file giving one key to two tenants was accepted (last tenant silently won).
