@@ -294,3 +294,19 @@ def test_a_long_cache_salt_is_kept_as_a_digest(tiny_model_dir):
     assert seen[0] == seen[2] and len({seen[0], seen[1], seen[3], seen[4]}) == 4 and seen[3] == "x", seen
     tenant_salts = {effective_cache_salt(t, b) for t in ("alice", "bob") for b in (None, long_a, long_b)}
     assert len(tenant_salts) == 6 and all(len(s or "") <= 128 for s in tenant_salts)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_asked_for_is_refused(front, chat):
+    """vLLM's ``stream_options.continuous_usage_stats: true`` asks for usage in every chunk; it was
+    ignored (200, usage only at the end), against the README's 400 for options not implemented."""
+    client, _ = front
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    for value, status in ((True, 400), (False, 200), (None, 200)):
+        body = {**prompt, "max_tokens": 1, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": value}}
+        r = client.post(path, json=body)
+        assert r.status_code == status, (value, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text

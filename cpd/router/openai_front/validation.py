@@ -94,6 +94,10 @@ UNSUPPORTED_CHAT_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],), "audio": (), "web_search_options": (),
 }
 UNSUPPORTED_COMPLETIONS_EXTENSIONS: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
+# Fields inside an object of the body, as (object, field): vLLM's usage in every stream chunk.
+UNSUPPORTED_NESTED_EXTENSIONS: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("stream_options", "continuous_usage_stats"): (False,),
+}
 
 
 def check_unsupported_extensions(obj: dict[str, Any], chat: bool) -> None:
@@ -102,9 +106,16 @@ def check_unsupported_extensions(obj: dict[str, Any], chat: bool) -> None:
     table = {**UNSUPPORTED_EXTENSIONS,
              **(UNSUPPORTED_CHAT_EXTENSIONS if chat else UNSUPPORTED_COMPLETIONS_EXTENSIONS)}
     for name, neutral in table.items():
-        value = obj.get(name)
-        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise invalid(f"'{name}' is not supported by this server (only its default is accepted)", name)
+        _refuse_unless_neutral(obj.get(name), neutral, name)
+    for (outer, name), neutral in UNSUPPORTED_NESTED_EXTENSIONS.items():
+        inner = obj.get(outer)
+        if isinstance(inner, dict):
+            _refuse_unless_neutral(inner.get(name), neutral, f"{outer}.{name}")
+
+
+def _refuse_unless_neutral(value: Any, neutral: tuple[Any, ...], name: str) -> None:
+    if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
+        raise invalid(f"'{name}' is not supported by this server (only its default is accepted)", name)
 
 
 def parse_stop(stop: Any) -> list[str]:
