@@ -310,3 +310,17 @@ def test_continuous_usage_stats_asked_for_is_refused(front, chat):
         assert r.status_code == status, (value, r.text)
         if status == 400:
             assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats", r.text
+
+
+@pytest.mark.parametrize("chat, neutral", [(False, True), (True, False)])
+def test_add_special_tokens_other_than_ours_is_refused(front, chat, neutral):
+    """vLLM's ``add_special_tokens`` changes the prompt (a BOS added or not: completions add the
+    tokenizer's special tokens, chat prompts get the template's only); any value was ignored. The
+    value this server applies is served, the other one is a 400."""
+    client, _ = front
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    r = client.post(path, json={**prompt, "max_tokens": 1, "add_special_tokens": neutral})
+    assert r.status_code == 200, r.text
+    r = client.post(path, json={**prompt, "max_tokens": 1, "add_special_tokens": not neutral})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text

@@ -92,8 +92,12 @@ UNSUPPORTED_CHAT_EXTENSIONS: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     # OpenAI's output modalities and built-in tools: audio output, web search
     "modalities": (["text"],), "audio": (), "web_search_options": (),
+    "add_special_tokens": (False,),  # vLLM: the template writes the special tokens
 }
-UNSUPPORTED_COMPLETIONS_EXTENSIONS: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
+UNSUPPORTED_COMPLETIONS_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "add_special_tokens": (True,),  # vLLM: the tokenizer's (e.g. BOS) are added to a text prompt
+}
 # Fields inside an object of the body, as (object, field): vLLM's usage in every stream chunk.
 UNSUPPORTED_NESTED_EXTENSIONS: dict[tuple[str, str], tuple[Any, ...]] = {
     ("stream_options", "continuous_usage_stats"): (False,),
