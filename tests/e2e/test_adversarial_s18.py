@@ -22,6 +22,9 @@ Findings (each test here failed before its fix):
   tokenizer's piece-cache scope): 300 chat requests with distinct 1 MB salts grew the router by
   330 MB and the prefill worker by 288 MB, and 300 more by as much again. A salt over 128
   characters is now kept as ``sha256:`` + its digest (+3 MB per 300 after).
+- Options that change the answer, silently ignored: vLLM's ``stream_options.continuous_usage_stats:
+  true`` (usage in every chunk) and ``add_special_tokens`` other than the value applied (true for
+  completions, false for chat: a BOS added or not). Now 400s naming them; the neutral values pass.
 - ``CPD_LOG_LEVEL=bogus`` ended ``cpd router`` / ``cpd worker`` in a traceback; now one line.
 - ``cpd serve`` with an API key file it cannot read, an empty ``--api-key`` or an unreadable
   ``auth.internal_secret_file`` started every worker and then said only "router exited; see
@@ -39,7 +42,9 @@ lone surrogates in prompt, stop and cache_salt; stop strings cut at random place
 ``min_tokens``, streamed vs plain (30 prompts); a 30-request identical-prompt storm with 40 %
 hang-ups (adaptive cpd, 3 rounds); 10 multi-turn sessions with twins and hang-ups on ``pd`` 1+2,
 TCP handoff, decode-local appends, 96-block pools (exact, usage right, nothing leaked); an L3 file
-store on a full 600 KiB tmpfs (exact answers, no partial chunk files); 12 ``cpd serve`` flag errors.
+store on a full 600 KiB tmpfs (exact answers, no partial chunk files); 12 ``cpd serve`` flag errors;
+4 x 3 MB stop strings beside a stream (its gap 0.21 s); with API keys, tenant B's request beside tenant
+A's three on the same prompt, 12 rounds: B never reported a cached token.
 """
 from __future__ import annotations
 
