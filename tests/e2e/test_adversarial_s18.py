@@ -44,7 +44,10 @@ hang-ups (adaptive cpd, 3 rounds); 10 multi-turn sessions with twins and hang-up
 TCP handoff, decode-local appends, 96-block pools (exact, usage right, nothing leaked); an L3 file
 store on a full 600 KiB tmpfs (exact answers, no partial chunk files); 12 ``cpd serve`` flag errors;
 4 x 3 MB stop strings beside a stream (its gap 0.21 s); with API keys, tenant B's request beside tenant
-A's three on the same prompt, 12 rounds: B never reported a cached token.
+A's three on the same prompt, 12 rounds: B never reported a cached token; decode migration (``pd``
+1+3, supervised, ``max_decode_migrations`` 2) of streams with penalties, seeded top_p, ``min_tokens``
+with stop ids, seeded penalties with top_k, the decode worker SIGKILLed after 15 tokens: 4 of 4
+equal to the uninterrupted answer (the repository's migration tests are greedy).
 """
 from __future__ import annotations
 
