@@ -621,8 +621,11 @@ It prices only the short side: a refused spill also keeps its work in the pre-pr
 heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
 without the price at TTFT 2 s, still 1.04 of the best other; the 2.7 % it cost at 1 s came back with
 the residue fix, 4.1356 -> 4.2429 QPS/GPU). The estimate is not the request's time: a router cost
-model fitted to warm turns (the simulator's ``linear`` one: one rate, each token priced as attending
-to ~100 K tokens of context) prices a cold prompt computed from scratch at 1.5-3x its compute, so
+model fitted to warm turns (the simulator's ``linear`` one before session 18, now ``linear-flat``:
+one rate, each token priced as attending to ~100 K tokens of context; since then the router prices
+in the architecture's shape, :func:`prefill_work_tokens`, and the seed-3 cell below gives 0.4683,
+0.964 of pd-l3, docs/sim_results/adaptive_grid/session18/) prices a cold prompt computed from
+scratch at 1.5-3x its compute, so
 a 75-95 K-token prompt priced at 1.2-1.5 s takes 0.6-0.9 s on an idle worker and meets a 1 s SLO
 there. At the earlier factor of 4 such prompts waited at home behind one other cold prompt and
 missed while the prefill worker idled (agent cell
