@@ -55,6 +55,17 @@ class TorchExecutor:
         # batch-invariant attention reads the pool's blocks, never the contiguous rows: no arena to keep
         self.seq_kv = SeqKVArena(self.dtype, self.device, 0 if batch_invariant else seq_kv_bytes)
 
+    @property
+    def model_shape(self):
+        """The architecture (:class:`cpd.costmodel.model_shapes.ModelShape`) of the loaded model:
+        what the worker tells the router of its prefill cost's shape (``GET /info`` ``cost_prior``)."""
+        from cpd.costmodel.model_shapes import ModelShape
+        c = self.config
+        return ModelShape(name=self.model_id, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                          num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+                          max_context=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+
     def payload_bytes(self, model_bytes: int) -> int:
         return int(model_bytes)
 

@@ -18,7 +18,8 @@ report (:meth:`CostEstimates.model`):
   a long context sample the same scale: without the shape one rate priced cold prefill of a
   60-100 K-token prompt 1.7-2.3× its time when it had been fitted on warm turns
   (docs/sim_results/adaptive_grid/session17/). Until a worker advertises a shape it is the
-  ``initial`` model's (0: one plain rate). With
+  ``initial`` model's (0: one plain rate); modeled workers advertise their cost model's, torch
+  workers their architecture's (``cpd.worker.server.engine_cost_prior``). With
   ``fit_prefill`` (``router.prefill_cost_fit``): ``a + b·n + c·n·(p + n/2)`` (``n`` computed
   tokens on ``p`` cached; the form of :mod:`cpd.costmodel.calibrated`), fitted by the same
   weighted least squares (relative error, coefficients ≥ 0) to the last

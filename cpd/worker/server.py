@@ -152,13 +152,18 @@ def worker_report(st: WorkerState) -> WorkerInfoReport:
 
 def engine_cost_prior(engine, has_l3: bool = True) -> CostPrior | None:
     """The costs ``engine`` expects (:func:`cpd.costmodel.prior.cost_prior`) when its executor
-    times steps with a cost model (the modeled executor: ``cost_model`` × ``time_dilation``);
-    None otherwise (the torch executor measures, it does not model). ``has_l3``: False drops the
-    L3 bandwidth (a worker without a store never loads from it)."""
+    times steps with a cost model (the modeled executor: ``cost_model`` × ``time_dilation``).
+    An executor that runs a real model (torch) models no times, but its architecture gives the
+    *shape* of its prefill cost: it advertises ``attn_coeff`` alone and the router measures the
+    scale. None when neither is known. ``has_l3``: False drops the L3 bandwidth (a worker without
+    a store never loads from it)."""
     executor = getattr(engine, "executor", None)
     cm = getattr(executor, "cost_model", None)
     if cm is None or not hasattr(cm, "step_time_s"):
-        return None
+        shape = getattr(executor, "model_shape", None)
+        if shape is None:
+            return None
+        return CostPrior(attn_coeff=shape.prefill_attn_coeff, source=f"architecture {shape.name}")
     k = float(getattr(executor, "time_dilation", 1.0))
     sc = engine.scheduler_config
     what = [getattr(getattr(cm, a, None), "name", None) for a in ("model", "gpu")]

@@ -67,14 +67,31 @@ def test_a_modeled_worker_advertises_its_roofline_step_rate_over_k():
     assert decode_body(old, WorkerInfoReport).cost_prior is None
 
 
-def test_a_torch_like_engine_without_a_cost_model_advertises_nothing():
-    class _Executor:  # the torch executor times real steps: no cost_model attribute
+def test_an_engine_without_a_cost_model_or_an_architecture_advertises_nothing():
+    class _Executor:  # neither a cost_model nor a model_shape
         pass
 
     class _Engine:
         executor = _Executor()
 
     assert engine_cost_prior(_Engine()) is None
+
+
+def test_a_torch_engine_advertises_its_architectures_prefill_shape_alone(tiny_model_dir):
+    """A real model's times are measured, not modeled, but its config gives the shape of its prefill
+    cost: the router prices a cold long prompt with the attention term from the first request on,
+    and normalises its rate samples by it (it priced torch workers with one flat rate before)."""
+    from cpd.costmodel.model_shapes import load_config
+    eng = Engine(tiny_model_dir, num_blocks=16, block_size=16)
+    prior = engine_cost_prior(eng)
+    shape = load_config(f"{tiny_model_dir}/config.json")
+    assert prior is not None and prior.attn_coeff == pytest.approx(shape.prefill_attn_coeff)
+    assert prior.attn_coeff > 0
+    assert prior.prefill_tokens_per_s is None and prior.l2_bytes_per_s is None and prior.l3_bytes_per_s is None
+    est = CostEstimates(DEFAULT)
+    est.advertise("p0", msgspec.to_builtins(prior))
+    assert est.model().attn_coeff == pytest.approx(shape.prefill_attn_coeff)
+    assert est.model().prefill_tokens_per_s == DEFAULT.prefill_tokens_per_s  # the scale stays the router's
 
 
 def test_before_any_measurement_the_router_prices_at_the_advertised_rate():
