@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cpd.sim.experiment import load_experiment, with_overrides  # noqa: E402
+from cpd.sim.experiment import QUICK_WINDOWS, load_experiment, with_overrides  # noqa: E402
 from cpd.sim.stats import mean_ci, rnd  # noqa: E402
 from cpd.sim.sweep import compare  # noqa: E402
 
@@ -38,7 +38,7 @@ OTHERS = ("pd", "pd-l3", "cpd-static")
 ADAPTIVE = "cpd"
 FULL = {"cold": (0.0, 0.03, 0.08, 0.15), "ttft": (0.5, 1.0, 2.0), "output": (100, 400)}
 QUICK = {"cold": (0.03, 0.15), "ttft": (1.0,), "output": (100,)}
-QUICK_EXP = {"ramp_s": 5, "steady_s": 20, "drain_s": 10, "qps_per_gpu": [0.4, 0.8, 1.2], "search.iters": 1}
+QUICK_EXP = QUICK_WINDOWS
 TRACE_WORKLOADS = {
     "mooncake": {"kind": "trace", "path": str(TRACES / "mooncake" / "conversation_trace.jsonl"), "spread_ticks": True},
     "claude-code": {"kind": "trace", "path": str(TRACES / "claude_code"), "max_idle_s": 60.0},

@@ -271,6 +271,14 @@ def _read_trace_cached(path: str):
     return _TRACES[path]
 
 
+QUICK_WINDOWS: dict[str, Any] = {"ramp_s": 5, "steady_s": 20, "drain_s": 10, "qps_per_gpu": [0.4, 0.8, 1.2],
+                                 "search.iters": 1}
+"""Overrides for short points sized for a 2-core machine (the adaptive grid's and the sensitivity
+study's ``--quick``): 5 s ramp + 20 s of arrivals + 10 s drain, loads 0.4 / 0.8 / 1.2 QPS/GPU,
+one bisection step of the saturation search. ~100-300 requests per point: one request is ~0.01 of
+goodput."""
+
+
 def with_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
     """A deep copy of ``exp`` with dotted-path keys set (``workload.cold_fraction``, ``slo.ttft_s``)."""
     e = copy.deepcopy(exp)

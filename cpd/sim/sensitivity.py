@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cpd.sim.experiment import load_experiment, with_overrides
-from cpd.sim.sweep import run_sweep
+from cpd.sim.experiment import QUICK_WINDOWS, load_experiment, with_overrides
+from cpd.sim.sweep import compare, run_sweep
 
 TB = 1e12
 
@@ -45,20 +45,21 @@ def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
 
 def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", "cpd"), steady_s: float | None = None,
                     jobs: int = 2, progress: bool = True, baseline: str = "pd", cpd: str = "cpd-static",
-                    pooled: str = "pd-l3", seeds: int | None = None) -> dict[str, Any]:
+                    pooled: str = "pd-l3", seeds: int | None = None, search: bool = False) -> dict[str, Any]:
+    """One row per ``rows`` entry. ``search``: each configuration's saturation by the saturation
+    search (:func:`cpd.sim.sweep.compare`, the adaptive grid's rule) instead of interpolation over
+    the experiment's load grid (:func:`cpd.sim.sweep.run_sweep`)."""
     rows = rows if rows is not None else DEFAULT_ROWS
     out = []
     for label, ov in rows:
         e = apply_overrides(exp, ov)
         if steady_s is not None:
             e["steady_s"] = steady_s
-        res = run_sweep(e, list(configs), seeds=seeds, progress=progress, jobs=jobs)
-        sat = res["saturation"]
+        sat, pts = (_searched if search else _swept)(e, list(configs), seeds, jobs, progress, baseline)
         q = {c: sat[c]["qps_per_gpu"] for c in configs}
 
         def gain(a, b):
             return round(q[a] / q[b] - 1, 4) if (q.get(a) and q.get(b)) else None
-        pts = [p for p in res["points"] if p["config"] == baseline]
         out.append({"label": label, "overrides": ov, "saturation": sat, "qps_per_gpu": q,
                     "ci": {c: sat[c]["ci"] for c in configs},
                     "at_least": {c: sat[c]["bounded"] == "at-least" for c in configs},
@@ -67,7 +68,25 @@ def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", 
                     "realised_cold_fraction": round(sum(p["cold_fraction"] for p in pts) / max(1, len(pts)), 3)})
     return {"experiment": exp.get("name", ""), "configs": list(configs), "baseline": baseline, "cpd": cpd,
             "pooled": pooled, "steady_s": steady_s or exp.get("steady_s"), "qps_per_gpu": exp["qps_per_gpu"],
-            "seeds": seeds or exp.get("seeds", 3), "rows": out}
+            "seeds": seeds or exp.get("seeds", 3), "search": search, "rows": out}
+
+
+def _swept(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str):
+    """Saturations (``qps_per_gpu``, ``ci``, ``bounded`` per configuration) and the baseline's points
+    by :func:`cpd.sim.sweep.run_sweep`."""
+    res = run_sweep(e, configs, seeds=seeds, progress=progress, jobs=jobs)
+    return res["saturation"], [p for p in res["points"] if p["config"] == baseline]
+
+
+def _searched(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str):
+    """The same by :func:`cpd.sim.sweep.compare` (per-seed saturation searches)."""
+    res = compare(e, configs, seeds, jobs)
+    sat = {c: {"qps_per_gpu": d["saturation_qps_per_gpu"], "ci": d["ci"], "per_seed": d["per_seed"],
+               "bounded": "at-least" if d["at_least"] else ("below" if d["below_lowest"] else "interpolated")}
+           for c, d in res["configs"].items()}
+    if progress:
+        print(" ".join(f"{c} {sat[c]['qps_per_gpu']}" for c in configs), flush=True)
+    return sat, res["configs"][baseline]["points"]
 
 
 def markdown_table(s: dict) -> str:
@@ -117,13 +136,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--search", action="store_true", help="saturation by per-seed search (the adaptive grid's "
+                                                          "rule) instead of the experiment's load grid")
+    ap.add_argument("--quick", action="store_true", help="short points (cpd.sim.experiment.QUICK_WINDOWS); "
+                                                         "implies --search")
     a = ap.parse_args(argv)
     exp = load_experiment(a.experiment)
-    s = run_sensitivity(exp, steady_s=a.steady_s, jobs=a.jobs, progress=not a.no_progress, seeds=a.seeds)
+    if a.quick:
+        exp = with_overrides(exp, QUICK_WINDOWS)
+    s = run_sensitivity(exp, steady_s=a.steady_s, jobs=a.jobs, progress=not a.no_progress, seeds=a.seeds,
+                        search=a.search or a.quick)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(s, sort_keys=True, indent=1) + "\n")
-    md = render(s, f"--out {a.out}" + (f" --steady-s {a.steady_s:g}" if a.steady_s else ""), a.experiment)
+    flags = (" --quick" if a.quick else " --search" if a.search else "") + (f" --steady-s {a.steady_s:g}" if a.steady_s else "")
+    md = render(s, f"--out {a.out}{flags}", a.experiment)
     (out / "sensitivity.md").write_text(md)
     print(md)
 

@@ -44,3 +44,4 @@ def test_markdown_table_formats_bounds():
                    "gains_vs_baseline": {"B": 2.2, "C": None}}]}
     t = markdown_table(s)
     assert "< 0.4" in t and ">= 1.60" in t and "0.50 [0.40, 0.60]" in t and "+220 %" in t and "n/a" in t
+

@@ -1,0 +1,23 @@
+"""The sensitivity study's ``--search`` rows: each configuration's saturation by the same per-seed
+saturation search as the adaptive grid (``cpd.sim.sweep.search_saturation``), on the real
+engine-object simulator (tiny windows: a few seconds per search)."""
+from cpd.sim.experiment import load_experiment, with_overrides
+from cpd.sim.sensitivity import run_sensitivity
+from cpd.sim.sweep import search_saturation
+
+TINY = {"ramp_s": 1, "steady_s": 4, "drain_s": 2, "qps_per_gpu": [0.2, 0.4], "search.iters": 0}
+
+
+def test_a_search_row_is_the_saturation_search_of_each_configuration():
+    exp = with_overrides(load_experiment("reference_b200"), TINY)
+    row_overrides = {"slo.ttft_s": 2.0}
+    s = run_sensitivity(exp, rows=[("TTFT SLO 2 s", row_overrides)], configs=("pd", "cpd"), cpd="cpd",
+                        pooled="cpd", search=True, progress=False, seeds=1, jobs=1)
+    r = s["rows"][0]
+    assert s["search"] and r["label"] == "TTFT SLO 2 s"
+    direct = search_saturation(with_overrides(exp, row_overrides), "pd", 1)
+    assert r["qps_per_gpu"]["pd"] == direct["qps_per_gpu"] and r["qps_per_gpu"]["pd"] > 0
+    assert r["saturation"]["pd"]["per_seed"] == [direct["qps_per_gpu"]]
+    assert r["saturation"]["pd"]["bounded"] == direct["bounded"]
+    assert r["gain_cpd_vs_baseline"] == round(r["qps_per_gpu"]["cpd"] / r["qps_per_gpu"]["pd"] - 1, 4)
+    assert 0 <= r["realised_cold_fraction"] <= 1
