@@ -18,9 +18,10 @@ This mode computes every row with calls whose shapes do not depend on the batch:
   depends on that row alone;
 - attention runs over key blocks of :data:`KV_BLOCK` positions counted from position 0. A row at
   position ``t`` sees the blocks before its own whole, through torch's CPU flash kernel in the model
-  dtype, called once per block with exactly :data:`KV_BLOCK` keys (with the key length fixed its
-  result for a row does not depend on the other query rows, nor on the other sequences of the
-  batch: checked by the tests), and its own block up to ``t`` in float32 on tiles of
+  dtype, called once per block with exactly :data:`KV_BLOCK` keys and the query rows in tiles of
+  exactly :data:`FLASH_QUERY_ROWS` (with both lengths fixed its result for a row does not depend
+  on the other query rows, nor on the other sequences of the batch: checked by the tests; with
+  only the key length fixed it did on an AVX-512 CPU), and its own block up to ``t`` in float32 on tiles of
   :data:`QUERY_TILE` rows with the keys past ``t`` masked. The parts are merged in float32 by their
   log-sum-exps in block order. Which parts a row has, and how each is
   computed, depends on ``t`` alone: so its output does not depend on the chunk, the batch or
@@ -47,6 +48,8 @@ TILE_ROWS = 64
 QUERY_TILE = 16
 #: key positions per attention block (blocks start at positions 0, KV_BLOCK, 2 KV_BLOCK, ...)
 KV_BLOCK = 128
+#: query rows (query heads of a KV head folded in) of every flash call over a whole key block
+FLASH_QUERY_ROWS = 64
 #: appended to the executor's ``kv_dtype`` (a namespace part) in this mode
 KV_DTYPE_SUFFIX = "+batch-invariant"
 
@@ -115,8 +118,9 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> 
     (the model dtype) → ``[n, nh * d]`` float32.
 
     A row at position ``t`` attends over the key blocks ``0 .. t // KV_BLOCK - 1`` whole (torch's
-    CPU flash kernel, one call per block over every row that sees all of it: with the key length
-    fixed, its result for a row does not depend on the other rows) and over its own block
+    CPU flash kernel, one call per block over every row that sees all of it, in tiles of a fixed
+    number of query rows (:func:`_flash_block`), so that its result for a row does not depend on
+    the other rows) and over its own block
     ``t // KV_BLOCK`` up to ``t`` (:func:`_own_block`, fixed-shape tiles); the parts are merged by
     their log-sum-exps in block order."""
     n, nh, d = q.shape
@@ -129,9 +133,9 @@ def _attend_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int) -> 
         r0 = max(0, (j + 1) * KV_BLOCK - pos0)  # first row past block j
         if r0 >= n:
             continue
-        o, lse = _FLASH(qf[:, :, r0 * g:], kh[j][None], vh[j][None], 0.0, False)
-        _merge(m, den, acc, slice(r0, n), o.view(nkv, n - r0, g, d).transpose(0, 1).reshape(n - r0, nh, d),
-               lse.view(nkv, n - r0, g).transpose(0, 1).reshape(n - r0, nh))
+        o, lse = _flash_block(qf[:, :, r0 * g:], kh[j][None], vh[j][None])
+        _merge(m, den, acc, slice(r0, n), o.reshape(nkv, n - r0, g, d).transpose(0, 1).reshape(n - r0, nh, d),
+               lse.reshape(nkv, n - r0, g).transpose(0, 1).reshape(n - r0, nh))
     o, lse = _own_block(q, k, v, pos0, nkv)
     _merge(m, den, acc, slice(0, n), o, lse)
     return acc.div_(den[..., None]).view(n, nh * d)
@@ -161,10 +165,10 @@ def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for j in range(nb):  # kh[j]: [S, nkv, KV_BLOCK, d]
         rows = (full > j).nonzero().flatten()
         if rows.numel() == S:
-            o, lse = _FLASH(qf, kh[j], vh[j], 0.0, False)
+            o, lse = _flash_block(qf, kh[j], vh[j])
             _merge(m, den, acc, slice(0, S), o.reshape(S, nh, d), lse.reshape(S, nh))
         else:
-            o, lse = _FLASH(qf[rows], kh[j].index_select(0, rows), vh[j].index_select(0, rows), 0.0, False)
+            o, lse = _flash_block(qf[rows], kh[j].index_select(0, rows), vh[j].index_select(0, rows))
             _merge(m, den, acc, rows, o.reshape(-1, nh, d), lse.reshape(-1, nh))
     own = (full * KV_BLOCK)[:, None] + torch.arange(KV_BLOCK, device=q.device)  # [S, KV_BLOCK]
     own = own.clamp_(max=width - 1)
@@ -181,6 +185,32 @@ def _attend_single_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _flash_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked flash attention of ``q [B, nkv, rows, d]`` over one whole key block ``k, v [B, nkv,
+    KV_BLOCK, d]``: ``(o [B, nkv, rows, d], lse [B, nkv, rows])``, by calls of one shape only.
+
+    The kernel's result for a row is not independent of the number of query rows in its call: on
+    an AVX-512 CPU (AMD Zen 4) a call whose length leaves a tail of 1-3 rows past its 32-row
+    blocks computes those rows by another path, so in float32 a prompt's KV differed with the
+    chunking and a decode row's KV from the prefill's (tests/integration/test_batch_invariance.py;
+    it held on the AVX2 machine the mode was built on). Here the rows are zero-padded to whole
+    tiles of :data:`FLASH_QUERY_ROWS` and the tiles go as the batch dimension of one call, so
+    every call has ``FLASH_QUERY_ROWS`` query rows and ``KV_BLOCK`` keys, and a row's result does
+    not depend on its place in its tile, on the other rows or on the batch (checked by
+    tests/unit/test_batch_invariant_attention.py)."""
+    B, h, n, d = q.shape
+    t = -(-n // FLASH_QUERY_ROWS)
+    qp = q.new_zeros(B, h, t * FLASH_QUERY_ROWS, d)
+    qp[:, :, :n] = q
+    qp = qp.view(B, h, t, FLASH_QUERY_ROWS, d).transpose(1, 2).reshape(B * t, h, FLASH_QUERY_ROWS, d)
+    kt = k[:, None].expand(B, t, *k.shape[1:]).reshape(B * t, *k.shape[1:])
+    vt = v[:, None].expand(B, t, *v.shape[1:]).reshape(B * t, *v.shape[1:])
+    o, lse = _FLASH(qp, kt, vt, 0.0, False)
+    o = o.reshape(B, t, h, FLASH_QUERY_ROWS, d).transpose(1, 2).reshape(B, h, t * FLASH_QUERY_ROWS, d)[:, :, :n]
+    lse = lse.reshape(B, t, h, FLASH_QUERY_ROWS).transpose(1, 2).reshape(B, h, t * FLASH_QUERY_ROWS)[:, :, :n]
+    return o, lse
 
 
 def _state(n: int, nh: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

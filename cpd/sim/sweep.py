@@ -149,8 +149,16 @@ def _imap(fn: Callable, work: list, jobs: int):
             yield fn(w)
         return
     import multiprocessing as mp
-    with mp.get_context("fork").Pool(min(jobs, len(work))) as pool:
-        yield from pool.imap(fn, work)
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    # not multiprocessing.Pool: a worker killed from outside (the kernel's OOM killer) lost its task
+    # there and the sweep waited for it forever; here the run stops with an error naming the cause
+    with ProcessPoolExecutor(min(jobs, len(work)), mp_context=mp.get_context("fork")) as pool:
+        try:
+            yield from pool.map(fn, work)
+        except BrokenProcessPool as e:
+            raise RuntimeError("a simulation process died (killed from outside, e.g. out of memory: "
+                               "run with fewer --jobs)") from e
 
 
 def _point_job(args):

@@ -77,3 +77,24 @@ def test_decode_rows_never_read_the_padding_slot():
     for qs, n, ctx in seqs:
         torch.testing.assert_close(out[qs:qs + n], _reference(q[qs:qs + n], k_cache[ctx], v_cache[ctx]),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_whole_block_rows_result_does_not_depend_on_how_many_rows_share_its_call(dtype):
+    """The flash calls over whole key blocks: a row's output and log-sum-exp are the same bits whether
+    it is called alone, among a few rows, among hundreds, or as another batch entry. The raw kernel
+    broke this on an AVX-512 CPU (AMD Zen 4: a call with a tail of 1-3 rows past its 32-row blocks,
+    float32), which made a prompt's KV depend on its chunking in batch-invariant mode."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 3, 300, 64, generator=g).to(dtype)
+    k = torch.randn(1, 3, bi.KV_BLOCK, 64, generator=g).to(dtype)
+    v = torch.randn(1, 3, bi.KV_BLOCK, 64, generator=g).to(dtype)
+    o_all, lse_all = bi._flash_block(q, k, v)
+    for start, n in [(0, 1), (0, 2), (0, 3), (5, 1), (0, 33), (10, 35), (0, 97), (40, 131), (0, 259), (299, 1)]:
+        o, lse = bi._flash_block(q[:, :, start:start + n], k, v)
+        assert torch.equal(o, o_all[:, :, start:start + n]) and torch.equal(lse, lse_all[:, :, start:start + n]), (start, n)
+    qb = torch.randn(4, 3, 3, 64, generator=g).to(dtype)  # decode rows: the sequences as the batch
+    qb[2] = q[0, :, 7:10]
+    kb, vb = k.expand(4, -1, -1, -1).clone(), v.expand(4, -1, -1, -1).clone()
+    ob, lb = bi._flash_block(qb, kb, vb)
+    assert torch.equal(ob[2], o_all[0, :, 7:10]) and torch.equal(lb[2], lse_all[0, :, 7:10])
