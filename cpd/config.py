@@ -204,10 +204,10 @@ class RouterSection(Section):
     prefill_cost_fit: bool = Field(False, description="price prefills by a fitted overhead + per-token + "
                                                       "attention model (cpd.router.estimates) instead of one "
                                                       "measured rate")
-    queue_remaining: bool = Field(True, description="a worker's predicted prefill queue counts a started "
-                                                    "prefill's remaining estimate (its estimate less the time "
-                                                    "since the worker reported it running), not the whole "
-                                                    "estimate until its first token (false: the whole one)")
+    queue_remaining: bool = Field(False, description="a worker's predicted prefill queue counts a started "
+                                                     "prefill's remaining estimate (its estimate less the time "
+                                                     "since the worker reported it running), not the whole "
+                                                     "estimate until its first token")
     raw_wait_max_s: float = Field(0.0, ge=0, description="read-after-write: longest hold of a request for "
                                                          "blocks being written through to L3 (0 = never wait)")
     raw_ready_margin_s: float = Field(0.25, ge=0, description="read-after-write: blocks being written through "

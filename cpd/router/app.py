@@ -58,7 +58,7 @@ class Router:
                  max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, api_keys: ApiKeys | None = None,
                  open_paths: tuple[str, ...] = DEFAULT_OPEN_PATHS, internal_secret: bytes | None = None,
                  timeouts: DispatchTimeouts | None = None, prefill_cost_fit: bool = False,
-                 background_stall_timeout_s: float = 60.0, queue_remaining: bool = True):
+                 background_stall_timeout_s: float = 60.0, queue_remaining: bool = False):
         self.timeouts = timeouts  # router->worker call bounds; None = defaults / CPD_DISPATCH_TIMEOUTS
         self.api_keys = api_keys or ApiKeys({})  # client keys -> tenants (cpd.router.api_keys)
         self.open_paths = tuple(open_paths)

@@ -127,7 +127,7 @@ class CPDBackend:
                  estimates: CostEstimates, metrics: RouterMetrics, client: httpx.AsyncClient,
                  max_in_flight: int = 256, max_decode_per_worker: int = 64,
                  timeouts: DispatchTimeouts | None = None, raw_ready_margin_s: float = 0.25,
-                 queue_remaining: bool = True):
+                 queue_remaining: bool = False):
         self.workers = workers
         self.queue_remaining = queue_remaining  # queued_prefill_s: a started prefill counts what remains
         self.raw_ready_margin_s = raw_ready_margin_s  # pending L3 writes: visible this long after the prefill

@@ -233,9 +233,8 @@ class EngineClusterSpec:
     # kv_event_delay_s is added, and the blocks are readable in L3 from the step's end.
     idle_flush_s: float = 0.05  # the idle worker loop's event flush period (cpd.worker.runtime: 0.05 s wall; / K)
     cores: int = 0  # > 0: the instances share this many CPU cores (cpd.sim.core_share); 0: a device each
-    queue_remaining: bool = True  # queued_prefill_s counts a started prefill's remaining estimate (its
+    queue_remaining: bool = False  # queued_prefill_s counts a started prefill's remaining estimate (its
     # estimate less the time since the step that started it), not the whole one until its first token
-    # (False: the whole one, the records before session 19)
     request_overhead_s: float = 0.0  # instance time per request whose first token a step produces: the
     # live stack's per-request work that an engine step's cost does not hold (HTTP, the handoff's staging)
 

@@ -6,7 +6,7 @@ Experiment file (JSON), see ``cpd/sim/experiments/reference_b200.json``::
     {"name", "model", "gpu", "kv_dtype_bytes", "weight_bytes_per_param", "efficiency": {...},
      "block_size", "kv_event_delay_s", "l3_bytes", "cold_threshold", "router_cost": "learned[-fit]" | "linear" | "linear-flat" | "roofline",
      "l3_events": "step-end" (default) | "next-flush" (EngineClusterSpec.l3_events_next_flush), "idle_flush_s",
-     "queue_remaining": true (default) | false (EngineClusterSpec.queue_remaining),
+     "queue_remaining": false (default) | true (EngineClusterSpec.queue_remaining),
      "prefill": {"tp", "max_num_batched_tokens", "max_prefill_chunk_tokens", "max_num_seqs", "l2_bytes"},
      "decode":  {"tp", "ranks_per_node", "max_num_seqs"},
      "layout": {"prefill_nodes": 2, "decode_nodes": 1},      # GPUs of the named configurations
@@ -158,7 +158,7 @@ def build_cluster(exp: dict, config: str) -> EngineClusterSpec:
                              fit_router_cost=exp.get("router_cost") == "learned-fit",
                              l3_events_next_flush=exp.get("l3_events", "step-end") == "next-flush",
                              idle_flush_s=float(exp.get("idle_flush_s", 0.05)),
-                             queue_remaining=bool(exp.get("queue_remaining", True)))
+                             queue_remaining=bool(exp.get("queue_remaining", False)))
 
 
 def num_gpus(cluster: EngineClusterSpec) -> int:

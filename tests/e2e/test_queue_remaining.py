@@ -4,8 +4,8 @@
 The router keeps each worker's ``queued_prefill_s`` (the policy's prediction of the work ahead of a
 new request there). It counted a prefill's whole estimate until its first token, so a worker most
 of the way through a long prefill looked as busy as one that had not started it
-(docs/sim_results/adaptive_grid/session17/). With the option (the default since session 19), a prefill that the worker's
-progress lines report running counts its estimate less the time since (cpd.policy.prefill_queue).
+(docs/sim_results/adaptive_grid/session17/). With the option, a prefill that the worker's progress
+lines report running counts its estimate less the time since (cpd.policy.prefill_queue).
 """
 from __future__ import annotations
 
@@ -52,6 +52,6 @@ def test_a_running_prefill_counts_what_remains_of_its_estimate(tiny_model_dir):
     assert all(b <= a + 1e-9 for a, b in zip(samples, samples[1:])), samples
 
 
-def test_without_it_the_whole_estimate_counts_until_the_first_token(tiny_model_dir):
+def test_by_default_the_whole_estimate_counts_until_the_first_token(tiny_model_dir):
     samples = _samples_during_one_prefill(False, tiny_model_dir)
     assert len(samples) >= 5 and max(samples) - min(samples) < 1e-9, samples
