@@ -93,8 +93,7 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     the margin (its spill delays the prefill pool's short work); past that it spills
     (``spill-cold``) to a prefill worker that beats the home's best by more than ``spill_margin``
     and after which short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
-    this request included, ≤ ``SLO_PREDICTION_SHARE * ttft_slo_s``, the estimate's error allowed for
-    as in the home test; a request whose own work exceeds the SLO misses it
+    this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
     anywhere and spills only to a prefill worker with nothing queued, once home would make it
     wait more than ``HOPELESS_WAIT_FACTOR`` times its own work, and only while it is expected to
     push less than one short request past the SLO: the prefill pool's measured short arrivals
@@ -722,14 +721,8 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
 def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], home_wait_s: float,
                            cfg: RoutingConfig) -> bool:
     """Heavy work may enter the prefill pool on ``c`` only if the pool keeps a worker whose queue,
-    with ``c``'s grown by this request's own work, is within :data:`SLO_PREDICTION_SHARE` of
-    ``ttft_slo_s``: short work arriving next still starts within the SLO somewhere in the prefill
-    pool, with the estimate's error allowed for as in the heavy home test. (Within the whole SLO,
-    as before session 19, two cold 44 K-token prompts spilled onto a prefill worker left it a 0.9 s
-    queue; the warm turns arriving behind them at 7.5 / s, 60 % of that worker, drained it at 0.4 s
-    per second, and 37 of them missed 1 s: agent cold 0.03 / TTFT 1 s / output 100, seed 2,
-    docs/sim_results/adaptive_grid/session19/.) The share does not apply to a request whose own
-    work exceeds the SLO (the hopeless spill below keeps its rule).
+    with ``c``'s grown by this request's own work, is within ``ttft_slo_s``: short work arriving
+    next still starts within the SLO somewhere in the prefill pool.
 
     A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
     gains no goodput and only delays short work: it stays home, unless home would make it wait
@@ -741,10 +734,9 @@ def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], ho
     (:func:`_short_misses_expected`): it gains no goodput, so it may cost none; with no short
     traffic (the live trial) it still spills."""
     waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
-    hopeless = c.est.own_s > cfg.ttft_slo_s
-    if min(waits) <= (1.0 if hopeless else SLO_PREDICTION_SHARE) * cfg.ttft_slo_s:
+    if min(waits) <= cfg.ttft_slo_s:
         return True
-    return hopeless and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
+    return c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
         and min(waits) <= c.est.own_s + QUEUE_RESOLUTION_S and _short_misses_expected(c, prefill_pool, cfg) < 1.0
 
 
