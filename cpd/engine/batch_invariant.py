@@ -205,12 +205,21 @@ def _flash_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     qp = q.new_zeros(B, h, t * FLASH_QUERY_ROWS, d)
     qp[:, :, :n] = q
     qp = qp.view(B, h, t, FLASH_QUERY_ROWS, d).transpose(1, 2).reshape(B * t, h, FLASH_QUERY_ROWS, d)
-    kt = k[:, None].expand(B, t, *k.shape[1:]).reshape(B * t, *k.shape[1:])
-    vt = v[:, None].expand(B, t, *v.shape[1:]).reshape(B * t, *v.shape[1:])
-    o, lse = _FLASH(qp, kt, vt, 0.0, False)
+    o, lse = _FLASH(qp, _per_tile(k, t), _per_tile(v, t), 0.0, False)
     o = o.reshape(B, t, h, FLASH_QUERY_ROWS, d).transpose(1, 2).reshape(B, h, t * FLASH_QUERY_ROWS, d)[:, :, :n]
     lse = lse.reshape(B, t, h, FLASH_QUERY_ROWS).transpose(1, 2).reshape(B, h, t * FLASH_QUERY_ROWS)[:, :, :n]
     return o, lse
+
+
+def _per_tile(x: torch.Tensor, t: int) -> torch.Tensor:
+    """``x [B, ...]`` with each entry repeated for its ``t`` query tiles (``[B * t, ...]``, entry-major):
+    a view when ``B`` or ``t`` is 1 (a prefill's one sequence, decode rows' one tile; the kernel takes
+    a stride-0 batch, and copying a block per tile cost ~20 % of the call), else a copy."""
+    if t == 1:
+        return x
+    if x.shape[0] == 1:
+        return x.expand(t, *x.shape[1:])
+    return x.repeat_interleave(t, dim=0)
 
 
 def _state(n: int, nh: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,11 +2,13 @@
 engine's paged KV tensor. The default executor; see :mod:`cpd.engine.executor`."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from cpd.costmodel.model_shapes import load_config
 from cpd.engine.batch_invariant import KV_DTYPE_SUFFIX
 from cpd.engine.executor import ForwardSeq, KVLayout, TokenHistory
 from cpd.engine.kv_arrays import TorchKVArrays
@@ -46,6 +48,7 @@ class TorchExecutor:
         self.kv_bytes_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * \
             self.arrays.element_size
         self.model_id = model_id or model_id_of(model_dir)
+        self._model_shape = dataclasses.replace(load_config(Path(model_dir) / "config.json"), name=self.model_id)
         self.tokenizer_digest = tokenizer_digest(model_dir)
         self.model.set_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
@@ -57,14 +60,10 @@ class TorchExecutor:
 
     @property
     def model_shape(self):
-        """The architecture (:class:`cpd.costmodel.model_shapes.ModelShape`) of the loaded model:
-        what the worker tells the router of its prefill cost's shape (``GET /info`` ``cost_prior``)."""
-        from cpd.costmodel.model_shapes import ModelShape
-        c = self.config
-        return ModelShape(name=self.model_id, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                          num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-                          max_context=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+        """The architecture (:class:`cpd.costmodel.model_shapes.ModelShape`, read from the model's
+        ``config.json`` by the one shape reader) of the loaded model: what the worker tells the
+        router of its prefill cost's shape (``GET /info`` ``cost_prior``)."""
+        return self._model_shape
 
     def payload_bytes(self, model_bytes: int) -> int:
         return int(model_bytes)
