@@ -95,11 +95,13 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     and after which short work still starts within the SLO somewhere in the prefill pool (its smallest queue,
     this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
     anywhere and spills only to a prefill worker with nothing queued, once home would make it
-    wait more than ``HOPELESS_WAIT_FACTOR`` times its own work, and only while it is expected to
-    push less than one short request past the SLO: the prefill pool's measured short arrivals
-    (``short_arrivals_per_s``, summed) times the time it holds short work past the SLO there,
-    ``wait_s + own_s - ttft_slo_s``; such a spill gains no goodput, so it may cost none,
-    :func:`_short_misses_expected`). An empty home pool falls back to the other
+    wait more than ``HOPELESS_WAIT_FACTOR`` times its own work), and only while it is expected to
+    push less than one short request past the SLO (a spill saves at most the heavy request
+    itself): the prefill pool's measured short arrivals (``short_arrivals_per_s``, summed) times
+    the time that smallest queue stays above what a short request can wait and still meet the
+    SLO with the estimate's error allowed for (``SLO_PREDICTION_SHARE * ttft_slo_s`` minus the
+    mean short estimate), the excess draining at ``1 - busy`` seconds per second while short
+    work (``short_work_per_s``) keeps arriving (:func:`_short_misses_expected`). An empty home pool falls back to the other
     (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -179,7 +181,9 @@ class WorkerLoad:
             join this worker's batch, so the decode choice (rule 6) counts them.
         short_arrivals_per_s: prefill-side workers: short (``warm``) requests the caller dispatched
             to this worker per second over its recent window (:class:`ArrivalRate`); 0 when not
-            measured. Rule A3 prices a spill longer than the SLO with it.
+            measured. Rule A3 prices a heavy spill with it (:func:`_short_misses_expected`).
+        short_work_per_s: the same dispatches' summed own-work estimates per second (the share of
+            this worker that short work occupies); 0 when not measured.
     """
 
     worker_id: str
@@ -191,31 +195,42 @@ class WorkerLoad:
     queued_prefill_s: float | None = None
     pending_handoffs: int = 0
     short_arrivals_per_s: float = 0.0
+    short_work_per_s: float = 0.0
 
 
 class ArrivalRate:
-    """Events per second over the last ``window_s`` seconds, from explicit timestamps (no clock
-    inside; non-decreasing). The live router and the simulator keep one per prefill-side worker
-    for its short dispatches (``WorkerLoad.short_arrivals_per_s``). Memory: one window of events."""
+    """Events per second, and their work (seconds) per second, over the last ``window_s`` seconds,
+    from explicit timestamps (no clock inside; non-decreasing). The live router and the simulator
+    keep one per prefill-side worker for its short dispatches, each with its own estimate
+    (``WorkerLoad.short_arrivals_per_s``, ``short_work_per_s``). Memory: one window of events."""
 
     def __init__(self, window_s: float | None = None):
         """``window_s`` None: :data:`SHORT_ARRIVAL_WINDOW_S`."""
         self.window_s = SHORT_ARRIVAL_WINDOW_S if window_s is None else window_s
         if self.window_s <= 0:
             raise ValueError("ArrivalRate: window_s must be > 0")
-        self._t: deque[float] = deque()
+        self._events: deque[tuple[float, float]] = deque()
+        self._work_s = 0.0
 
-    def observe(self, now_s: float) -> None:
-        self._t.append(now_s)
+    def observe(self, now_s: float, work_s: float = 0.0) -> None:
+        self._events.append((now_s, work_s))
+        self._work_s += work_s
         self._trim(now_s)
 
     def per_s(self, now_s: float) -> float:
         self._trim(now_s)
-        return len(self._t) / self.window_s
+        return len(self._events) / self.window_s
+
+    def work_per_s(self, now_s: float) -> float:
+        """Summed work of the window's events per second: the share of one worker they occupy."""
+        self._trim(now_s)
+        return max(0.0, self._work_s) / self.window_s if self._events else 0.0
 
     def _trim(self, now_s: float) -> None:
-        while self._t and self._t[0] < now_s - self.window_s:
-            self._t.popleft()
+        while self._events and self._events[0][0] < now_s - self.window_s:
+            self._work_s -= self._events.popleft()[1]
+        if not self._events:
+            self._work_s = 0.0  # no float residue of the running sum outlives its events
 
 
 @dataclass(frozen=True)
@@ -636,6 +651,11 @@ Claude Code and Mooncake searches equal, two lower: cold 0.03 / 0.5 s seed 3, 0.
 (0.976), and Claude Code TTFT 1 s / output 100 seed 3, 4.8771 -> 4.7833 (1.150 -> 1.128 of
 cpd-static); a factor of 1 lowered the seed-3 cell to 0.4462 (docs/sim_results/adaptive_grid/session17/)."""
 
+MIN_DRAIN_SHARE = 0.1
+"""Rule A3 (:func:`_short_misses_expected`): the least share of a second by which a prefill queue is
+taken to drain per second when short work alone occupies nearly all of the worker (a queue that
+short work keeps full never drains; this bounds the price at ten times the excess)."""
+
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the
 tens of short requests per second that make a hopeless spill costly, short enough to follow the
@@ -720,33 +740,47 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
 
 def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], home_wait_s: float,
                            cfg: RoutingConfig) -> bool:
-    """Heavy work may enter the prefill pool on ``c`` only if the pool keeps a worker whose queue,
-    with ``c``'s grown by this request's own work, is within ``ttft_slo_s``: short work arriving
-    next still starts within the SLO somewhere in the prefill pool.
+    """Heavy work may enter the prefill pool on ``c`` only if it is expected to push less than one
+    short request past the SLO there (:func:`_short_misses_expected`, with the pool's smallest
+    queue after the spill, ``c``'s grown by this request's own work): a spill saves at most the
+    heavy request itself, so it may cost no more. That smallest queue must moreover be within
+    ``ttft_slo_s`` (short work arriving next still starts within the SLO somewhere in the pool).
 
     A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
     gains no goodput and only delays short work: it stays home, unless home would make it wait
     more than :data:`HOPELESS_WAIT_FACTOR` times its own work (``home_wait_s``), when it may take
     a prefill worker with nothing queued (below :data:`QUEUE_RESOLUTION_S`; short work arriving
-    next then waits at most this one request). Without that bound it stayed behind a pre-prefill
-    queue of any length while a prefill worker idled (a live trial: TTFT up to 36 s, the prefill
-    worker idle), and only while it is expected to push less than one short request past the SLO
-    (:func:`_short_misses_expected`): it gains no goodput, so it may cost none; with no short
-    traffic (the live trial) it still spills."""
-    waits = [p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool]
-    if min(waits) <= cfg.ttft_slo_s:
-        return True
-    return c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
-        and min(waits) <= c.est.own_s + QUEUE_RESOLUTION_S and _short_misses_expected(c, prefill_pool, cfg) < 1.0
+    next then waits at most this one request), at the same price. Without that bound it stayed
+    behind a pre-prefill queue of any length while a prefill worker idled (a live trial: TTFT up
+    to 36 s, the prefill worker idle); with no short traffic (that trial) it still spills."""
+    lowest = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool)
+    if lowest > cfg.ttft_slo_s:
+        hopeless = c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
+            and lowest <= c.est.own_s + QUEUE_RESOLUTION_S
+        if not hopeless:
+            return False
+    return _short_misses_expected(lowest, prefill_pool, cfg) < 1.0
 
 
-def _short_misses_expected(c: _Candidate, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
-    """Short requests expected to miss the SLO because ``c`` takes this request (called when no
-    prefill worker keeps a queue within the SLO): every one arriving in the prefill pool while
-    ``c``'s queue, this request included, exceeds the SLO (``wait_s + own_s - ttft_slo_s``
-    seconds) would have met it on ``c``; the pool's measured short arrival rate times that time."""
+def _short_misses_expected(queue_s: float, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+    """Short requests expected to miss the SLO behind a prefill-pool queue of ``queue_s`` (the
+    smallest after a heavy spill). A short request meets the SLO, with the estimate's error allowed
+    for, when the queue ahead of it is at most ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own
+    work (the pool's mean short estimate); the excess drains at ``1 - busy`` seconds per second,
+    where ``busy`` is the share of a worker that short work occupies (the short work arriving
+    meanwhile queues too; at least :data:`MIN_DRAIN_SHARE`), and every short request arriving
+    meanwhile (the pool's measured rate) misses. Without the drain and the error allowance (the
+    queue's excess over the SLO alone, the rule before session 20) two 44 K-token prompts spilled
+    onto the only prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 /
+    TTFT 1 s / output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at
+    0.4 s/s; docs/sim_results/adaptive_grid/session19/)."""
     rate = sum(p.load.short_arrivals_per_s for p in prefill_pool)
-    return rate * max(0.0, c.est.wait_s + c.est.own_s - cfg.ttft_slo_s)
+    if rate <= 0.0:
+        return 0.0
+    work_per_s = sum(p.load.short_work_per_s for p in prefill_pool)
+    bound_s = SLO_PREDICTION_SHARE * cfg.ttft_slo_s - work_per_s / rate
+    drain = max(MIN_DRAIN_SHARE, 1.0 - work_per_s / len(prefill_pool))
+    return rate * max(0.0, queue_s - bound_s) / drain
 
 
 def _heavy_home_meets_slo(best_home: _Candidate, cfg: RoutingConfig) -> bool:

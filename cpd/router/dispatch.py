@@ -452,7 +452,7 @@ class CPDBackend:
         self._queue(w, body.request_id, est_s)
         w.running_requests += 1
         if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:  # rule A3 prices spills with it
-            w.short_rate.observe(now)
+            w.short_rate.observe(now, est_s)
         dw = self.workers.by_id.get(d.decode_worker) if d.decode_worker is not None else None
         if dw is not None:  # routing rule 6: the decode worker counts the handoff it will receive
             dw.pending_handoffs += 1

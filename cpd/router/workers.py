@@ -50,7 +50,8 @@ class WorkerInfo:
         role_epoch: bumped by every role change; a ``/load`` answer to a poll sent before the
             last change may predate it and never changes the role back.
         short_rate: short (``warm``) requests dispatched here, by their dispatch time on
-            ``time.monotonic()`` (the snapshot's ``short_arrivals_per_s``, routing rule A3).
+            ``time.monotonic()`` with their own-work estimates (the snapshot's
+            ``short_arrivals_per_s`` and ``short_work_per_s``, routing rule A3).
     """
 
     worker_id: str
@@ -84,10 +85,12 @@ class WorkerInfo:
         return self.healthy and self.state == "accepted"
 
     def snapshot(self) -> WorkerLoad:
+        now = time.monotonic()
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
                           self.kv_usage, self.usable, queued_prefill_s=self.queued_prefill_s,
                           pending_handoffs=max(0, self.pending_handoffs),
-                          short_arrivals_per_s=self.short_rate.per_s(time.monotonic()))
+                          short_arrivals_per_s=self.short_rate.per_s(now),
+                          short_work_per_s=self.short_rate.work_per_s(now))
 
 
 def _adopts_role(w: WorkerInfo, reported: Role) -> bool:

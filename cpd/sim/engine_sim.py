@@ -461,7 +461,8 @@ class EngineSimulator:
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=w.queued.queued_s(self.now),
-                           pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now))
+                           pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now),
+                           short_work_per_s=w.short_rate.work_per_s(self.now))
                 for w in self.insts]
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
@@ -491,7 +492,7 @@ class EngineSimulator:
         w.queued.add(i, est_s)
         w.running_requests += 1
         if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:
-            w.short_rate.observe(now)
+            w.short_rate.observe(now, est_s)
         if not d.decode_append and d.decode_worker is not None:
             self.by_id[d.decode_worker].pending_handoffs += 1
         rec = self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, SHORT_ARRIVAL_WINDOW_S,
+from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, MIN_DRAIN_SHARE,
+                                SHORT_ARRIVAL_WINDOW_S,
                                 SLO_PREDICTION_SHARE, ArrivalRate, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
                                 PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
                                 work_s)
@@ -215,10 +216,11 @@ def test_float_residue_of_a_running_queue_sum_is_nothing_queued():
 
 def test_work_longer_than_the_slo_spills_only_where_it_pushes_less_than_one_short_request_past_the_slo():
     """The hopeless spill above gains no goodput (3 s of own work misses a 2 s SLO anywhere), and
-    on the only prefill worker it holds every short request arriving in its first 3 - 2 = 1 s past
-    the SLO. It spills while the prefill pool's measured short arrivals make that less than one
-    request (0.5/s: 0.5), and stays home at 1/s (1 request) or 2/s (a rate of 0, no short traffic,
-    is the case above)."""
+    on the only prefill worker it holds every short request arriving in its first 3 - 0.75 x 2 =
+    1.5 s past the SLO with the estimate's error allowed for (short work of no measured size,
+    nothing else busy). It spills while the prefill pool's measured short arrivals make that less
+    than one request (0.5/s: 0.75), and stays home at 1/s (1.5 requests) or 2/s (a rate of 0, no
+    short traffic, is the case above)."""
     def route_with(rate: float) -> RouteDecision:
         ws = [_w("pp0", Role.PRE_PREFILL, 13.0), _w("d0", Role.DECODE),
               dataclasses.replace(_w("p0", Role.PREFILL), short_arrivals_per_s=rate)]
@@ -233,11 +235,56 @@ def test_work_longer_than_the_slo_spills_only_where_it_pushes_less_than_one_shor
 
 def test_arrival_rate_counts_the_last_window():
     r = ArrivalRate(window_s=10.0)
-    for t in (0.0, 1.0, 2.0, 9.0):
-        r.observe(t)
-    assert r.per_s(9.0) == pytest.approx(0.4)
+    for t, work in ((0.0, 0.1), (1.0, 0.2), (2.0, 0.3), (9.0, 0.4)):
+        r.observe(t, work)
+    assert r.per_s(9.0) == pytest.approx(0.4) and r.work_per_s(9.0) == pytest.approx(0.1)
     assert r.per_s(11.5) == pytest.approx(0.2)   # the events at 2 and 9 s are within [1.5, 11.5]
+    assert r.work_per_s(11.5) == pytest.approx(0.07)
+    assert r.per_s(30.0) == 0.0 and r.work_per_s(30.0) == 0.0
     assert ArrivalRate().window_s == SHORT_ARRIVAL_WINDOW_S
+
+
+def _heavy_spill_with_short_traffic(prefill_queue_s: float, rate: float, work_per_s: float) -> RouteDecision:
+    """SPILLABLE (1.2 s of own work) against a saturated pre-prefill worker (8 s queued) and the only
+    prefill worker, whose short dispatches arrive at ``rate`` per second with ``work_per_s``."""
+    ws = [_w("pp0", Role.PRE_PREFILL, 8.0), _w("d0", Role.DECODE),
+          dataclasses.replace(_w("p0", Role.PREFILL, prefill_queue_s), short_arrivals_per_s=rate,
+                              short_work_per_s=work_per_s)]
+    return route(SPILLABLE, PrefixMatch(), ws, CFG, COST)
+
+
+def test_heavy_spill_within_the_slo_is_priced_by_the_short_work_it_holds_past_the_slo():
+    """A heavy spill that meets its own SLO on the only prefill worker (0.5 + 1.2 = 1.7 s <= 2 s) still
+    holds the short work arriving behind it: short turns of 0.1 s meet the SLO with the estimate's
+    error allowed for behind at most 0.75 x 2 - 0.1 = 1.4 s of queue, so the spill leaves 0.3 s of
+    excess, which drains at 1 - busy per second while short requests keep arriving. At 1/s (10 %
+    busy: 0.33 expected misses) it spills; at 5/s (50 % busy: 3 misses for the one request it saves)
+    it stays home (the rule before session 20 spilled whenever the queue stayed within the SLO:
+    session 19's agent misses). Within the error allowance it spills at any rate."""
+    assert SLO_PREDICTION_SHARE * CFG.ttft_slo_s - 0.1 == pytest.approx(1.4)
+    light = _heavy_spill_with_short_traffic(0.5, 1.0, 0.1)
+    assert (light.pool, light.prefill_worker, light.reason) == (Role.PREFILL, "p0", DecisionReason.SPILL_COLD)
+    busy = _heavy_spill_with_short_traffic(0.5, 5.0, 0.5)
+    assert (busy.pool, busy.reason) == (Role.PRE_PREFILL, DecisionReason.HOME)
+    within = _heavy_spill_with_short_traffic(0.2, 5.0, 0.5)  # 0.2 + 1.2 = 1.4 s: no excess
+    assert (within.pool, within.reason) == (Role.PREFILL, DecisionReason.SPILL_COLD)
+
+
+def test_the_price_of_a_heavy_spill_grows_as_short_work_fills_the_worker():
+    """The same excess (0.3 s past the bound 1.5 s - mean short work) and the same short rate (2/s:
+    0.6 requests if the excess drained at once) cost more misses the busier short work keeps the
+    worker, which drains the excess at 1 - busy per second: 20 % busy, 0.75 misses, it spills; 50 %
+    busy, 1.2, it stays home. A worker that short work fills entirely drains at MIN_DRAIN_SHARE
+    (0.1 s per second), not never: 10/s at 100 % busy prices 5 ms of excess at 0.5 misses."""
+    assert MIN_DRAIN_SHARE == 0.1
+    for work_per_s, spills in ((0.2, True), (1.0, False)):
+        mean = work_per_s / 2.0
+        queue = 0.3 + (SLO_PREDICTION_SHARE * CFG.ttft_slo_s - mean) - 1.2  # lowest queue = bound + 0.3
+        d = _heavy_spill_with_short_traffic(queue, 2.0, work_per_s)
+        assert (d.pool == Role.PREFILL) is spills, work_per_s
+    for excess, spills in ((0.005, True), (0.02, False)):
+        d = _heavy_spill_with_short_traffic(0.2 + excess, 10.0, 1.0)  # bound 1.4 s, busy 1.0
+        assert (d.pool == Role.PREFILL) is spills, excess
 
 
 @settings(max_examples=300, deadline=None)
