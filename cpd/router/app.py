@@ -277,14 +277,7 @@ class Router:
 
         @app.get("/cpd/workers")
         async def workers():
-            return {w.worker_id: {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
-                                  "reason": w.refusal_reason, "max_model_len": w.max_model_len,
-                                  "queued_prefill_tokens": w.queued_prefill_tokens,
-                                  "queued_prefill_s": w.queued_prefill_s,
-                                  "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
-                                  "load": w.last_load, "cost_prior": w.cost_prior,
-                                  "last_role_change": w.last_role_change}
-                    for w in router.workers.by_id.values()}
+            return {w.worker_id: _worker_view(w) for w in router.workers.by_id.values()}
 
         @app.get("/cpd/requests")
         async def recent_requests():
@@ -346,6 +339,18 @@ class Router:
         registration.install(app, router, router.internal_secret)  # POST /cpd/register (cpd worker --router)
         app.add_middleware(ApiKeyMiddleware, keys=self.api_keys, open_paths=self.open_paths)
         return app
+
+
+def _worker_view(w: WorkerInfo) -> dict:
+    """One worker in ``GET /cpd/workers``: registration, compatibility, the router's load bookkeeping
+    and the short-work rates routing rule A3 prices heavy spills with (as the policy's snapshot reads them)."""
+    now = time.monotonic()
+    return {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
+            "reason": w.refusal_reason, "max_model_len": w.max_model_len,
+            "queued_prefill_tokens": w.queued_prefill_tokens, "queued_prefill_s": w.queued_prefill_s,
+            "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
+            "short_arrivals_per_s": w.short_rate.per_s(now), "short_work_per_s": w.short_rate.work_per_s(now),
+            "load": w.last_load, "cost_prior": w.cost_prior, "last_role_change": w.last_role_change}
 
 
 def _replace_health(app: FastAPI, router: Router) -> None:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from cpd.config import build_config, routing_config
+from cpd.policy.routing import SHORT_ARRIVAL_WINDOW_S
 from cpd.types import RoutingMode, Topology, WriteThrough
 from deploy_util import assert_no_leaks, complete, oracle_tokens, random_prompt, routing_record, start
 
@@ -115,6 +116,25 @@ def test_hot_prefix_spreads_over_workers(adaptive_dep):
             assert 0 <= r["worker_queue_s"] <= r["worker_prefill_s"] <= r["ttft_s"], r
             assert r["step_tokens"] >= 16 and r["step_s"] > 0, r
     assert _metric(dep, "cpd_route_decisions_total", reason=records[0]["reason"]) >= 1
+
+
+def test_workers_view_shows_the_short_work_rule_a3_prices_spills_with(adaptive_dep):
+    """The live router measures, per prefill-side worker, the short requests it dispatched there and
+    their own-work estimates over the last window (what rule A3 prices a heavy spill with), and
+    ``/cpd/workers`` shows both: after three short requests (fresh prompts of a few hundred tokens:
+    short by their own work, not by reuse) the rates there account for them."""
+    dep = adaptive_dep
+    ids = [complete(dep, random_prompt(300 + i, 200), 2)["id"] for i in range(3)]
+    view = httpx.get(f"{dep.url}/cpd/workers", timeout=5).json()
+    records = [routing_record(dep, i) for i in ids]
+    assert all(r["class"] == "warm" and r["pool"] in ("prefill", "pre-prefill") for r in records), records
+    for wid in {r["prefill_worker"] for r in records}:
+        here = sum(r["prefill_worker"] == wid for r in records)
+        assert view[wid]["short_arrivals_per_s"] >= here / SHORT_ARRIVAL_WINDOW_S - 1e-9, (wid, view[wid])
+        assert view[wid]["short_work_per_s"] > 0.0, (wid, view[wid])
+    for w in view.values():
+        if w["role"] == "decode":
+            assert w["short_arrivals_per_s"] == 0.0 and w["short_work_per_s"] == 0.0, w
 
 
 def test_decode_local_append_returns_oracle_tokens(adaptive_dep, tiny_model_dir):
