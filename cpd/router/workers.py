@@ -177,7 +177,7 @@ class WorkerSet:
                 if not w.healthy and self.on_recovered is not None:
                     self.on_recovered(w.worker_id)
                 w.healthy = True
-                if check:
+                if check and self.admit is not None:  # (check implies it; said again for the type checker)
                     await self.admit(w)
             except (httpx.HTTPError, ValueError):
                 n = self._poll_failures[w.worker_id] = self._poll_failures.get(w.worker_id, 0) + 1
