@@ -773,7 +773,9 @@ def _short_misses_expected(queue_s: float, prefill_pool: Sequence[_Candidate], c
     queue's excess over the SLO alone, the rule before session 20) two 44 K-token prompts spilled
     onto the only prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 /
     TTFT 1 s / output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at
-    0.4 s/s; docs/sim_results/adaptive_grid/session19/)."""
+    0.4 s/s; docs/sim_results/adaptive_grid/session19/). With this price, on one commit: agent grid
+    cells passing 17 -> 20 of 24, one new miss (cold 0, TTFT 0.5 s: the price counts the short side
+    only; docs/sim_results/adaptive_grid/session20/)."""
     rate = sum(p.load.short_arrivals_per_s for p in prefill_pool)
     if rate <= 0.0:
         return 0.0
