@@ -101,8 +101,8 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     the time that smallest queue stays above what a short request can wait and still meet the
     SLO with the estimate's error allowed for (``SLO_PREDICTION_SHARE * ttft_slo_s`` minus the
     mean short estimate), the excess draining at ``1 - busy`` seconds per second while short
-    work (``short_work_per_s``) keeps arriving (:func:`_short_misses_expected`). An empty home pool falls back to the other
-    (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
+    work (``short_work_per_s``) keeps arriving (:func:`_short_misses_expected`). An empty home
+    pool falls back to the other (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
     the simulator's reference agent workload that left the pre-prefill worker idle and sustained

@@ -8,9 +8,10 @@ HERE = Path(__file__).resolve().parent
 
 def cells(folder: Path) -> dict:
     out = {}
-    for run in ("agent", "mooncake", "claude_code"):
+    for run in ("agent", "mooncake", "claude_code", "claude_code_b"):
         for f in (folder / run / "cells").glob("*.json"):
-            d = json.loads(f.read_text()); c = d["cell"]
+            d = json.loads(f.read_text())
+            c = d["cell"]
             out[(c["workload"], c.get("cold"), c["ttft_s"], c["output"])] = d["result"]["ratio_per_seed"]
     return out
 
@@ -25,5 +26,6 @@ for k in sorted(new, key=lambda k: (k[0], k[1] or 0, k[2], k[3])):
     print(f"| {', '.join(str(x) for x in k)} | {f(o) if o else '—'} | {f(new[k])} |")
     for a, b in zip(o or [], new[k]):
         if a is not None and b is not None:
-            up += b > a + 1e-9; down += b < a - 1e-9
+            up += b > a + 1e-9
+            down += b < a - 1e-9
 print(f"\nSeeds higher in session 20: {up}, lower: {down} (ratios against each session's own best other).")

@@ -11,3 +11,5 @@ PYTHONPATH=$S nice -n 19 $PY benchmarks/adaptive_grid.py --experiment docs/sim_r
 echo "claude-code start $(date -u +%T)" >> $O/times_utc.txt
 PYTHONPATH=$S nice -n 19 $PY benchmarks/adaptive_grid.py --experiment docs/sim_results/adaptive_grid/claude_code_grid/claude_code_sessions.experiment.json --seeds 3 --jobs 2 --workloads claude-code --ttft 0.5 --output 100 --out $O/claude_code > $O/claude_code.log 2>&1
 echo "end $(date -u +%T)" >> $O/times_utc.txt
+# then, by hand once the final test run had finished (23:48 UTC), two more Claude Code cells:
+# PYTHONPATH=$S nice -n 19 $PY benchmarks/adaptive_grid.py --experiment docs/sim_results/adaptive_grid/claude_code_grid/claude_code_sessions.experiment.json --seeds 3 --jobs 2 --workloads claude-code --ttft 1,2 --output 100 --out $O/claude_code_b > $O/claude_code_b.log 2>&1

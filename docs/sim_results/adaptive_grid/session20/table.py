@@ -2,7 +2,7 @@
 
     cd docs/sim_results/adaptive_grid/session20 && ../../../../.venv/bin/python table.py > table.md
 
-Reads agent/, mooncake/ and claude_code/ (each a ``benchmarks/adaptive_grid.py --out`` folder; a run
+Reads agent/, mooncake/, claude_code/ and claude_code_b/ (each a ``benchmarks/adaptive_grid.py --out`` folder; a run
 still in progress contributes the cells it has finished) and writes grid_heatmap.png beside this file.
 Per cell: each configuration's saturation (mean over seeds), adaptive ``cpd`` / best other per seed
 (the best other of that seed), the goal (every seed >= 0.97) and ``cpd`` / ``pd`` per seed.
@@ -20,7 +20,7 @@ sys.path.insert(0, str(HERE.parents[3]))
 import adaptive_grid as G  # noqa: E402
 
 LINE = 0.97
-RUNS = ("agent", "mooncake", "claude_code")
+RUNS = ("agent", "mooncake", "claude_code", "claude_code_b")
 
 
 def rows() -> list[dict]:
