@@ -23,10 +23,11 @@ LINE = 0.97
 RUNS = ("agent", "mooncake", "claude_code")
 
 
-def rows() -> list[dict]:
+def rows(folder: Path = HERE, runs: tuple[str, ...] = RUNS) -> list[dict]:
+    """Every finished cell of the grid runs ``runs`` under ``folder`` (a missing run: none)."""
     out = []
-    for run in RUNS:
-        for f in sorted((HERE / run / "cells").glob("*.json")):
+    for run in runs:
+        for f in sorted((folder / run / "cells").glob("*.json")):
             out.append(json.loads(f.read_text()))
     order = {"agent": 0, "mooncake": 1, "claude-code": 2}
     return sorted(out, key=lambda r: (order[r["cell"]["workload"]], r["cell"]["cold"] or 0,
@@ -51,8 +52,9 @@ def fmt(d: dict) -> str:
     return "—" if x is None else (">= " if d.get("at_least") else "") + f"{x:.3f}"
 
 
-def main() -> None:
-    rs = rows()
+def main(folder: Path = HERE, runs: tuple[str, ...] = RUNS) -> None:
+    """The table on stdout, the heat map as ``folder``/grid_heatmap.png (later sessions call it with theirs)."""
+    rs = rows(folder, runs)
     print("| workload | TTFT SLO | output | pd | pd-l3 | cpd-static | cpd | cpd / best other per seed | "
           "mean [95 % CI] | goal (every seed >= 0.97) | cpd / pd per seed |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---|---|---|")
@@ -71,7 +73,7 @@ def main() -> None:
               + ", ".join("—" if x is None else f"{x:.2f}" for x in over_pd(sat)) + " |")
     print(f"\n{len(rs)} cells: {tally['pass']} pass, {tally['miss']} miss, {tally['none']} without a ratio.")
     if rs:
-        G.heatmap(rs, HERE / "grid_heatmap.png")
+        G.heatmap(rs, folder / "grid_heatmap.png")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,23 @@
 """Per seed, adaptive cpd / best other in session 19's one-commit grid (18b70d8) and in this one (6d3ad44).
     cd docs/sim_results/adaptive_grid/session20 && ../../../../.venv/bin/python compare.py > compare.md"""
-import json
 from pathlib import Path
 
+from table import RUNS, session19_table
+
 HERE = Path(__file__).resolve().parent
+T = session19_table()
 
 
 def cells(folder: Path) -> dict:
-    out = {}
-    for run in ("agent", "mooncake", "claude_code", "claude_code_b"):
-        for f in (folder / run / "cells").glob("*.json"):
-            d = json.loads(f.read_text())
-            c = d["cell"]
-            out[(c["workload"], c.get("cold"), c["ttft_s"], c["output"])] = d["result"]["ratio_per_seed"]
-    return out
+    return {(r["cell"]["workload"], r["cell"].get("cold"), r["cell"]["ttft_s"], r["cell"]["output"]):
+            r["result"]["ratio_per_seed"] for r in T.rows(folder, RUNS)}
 
 
 old, new = cells(HERE.parent / "session19"), cells(HERE)
 print("| cell (workload, cold, TTFT, output) | session 19 per seed | session 20 per seed |")
 print("|---|---|---|")
 up = down = 0
-f = lambda rs: ", ".join("—" if x is None else (f"**{x:.3f}**" if x < 0.97 else f"{x:.3f}") for x in rs)
+f = lambda rs: ", ".join("—" if x is None else (f"**{x:.3f}**" if x < T.LINE else f"{x:.3f}") for x in rs)
 for k in sorted(new, key=lambda k: (k[0], k[1] or 0, k[2], k[3])):
     o = old.get(k)
     print(f"| {', '.join(str(x) for x in k)} | {f(o) if o else '—'} | {f(new[k])} |")
