@@ -17,6 +17,11 @@ cell is kept in ``DIR/cells/`` and skipped on a rerun (an interrupted grid resum
 100, 2 seeds, 5 s ramp + 20 s window, loads 0.4/0.8/1.2 QPS/GPU, one bisection step: a smoke
 test of the pipeline whose figures have wide intervals. The full grid is hours of CPU: run it
 with many ``--jobs`` on a large machine.
+
+``--baselines-from DIR`` takes ``pd``, ``pd-l3`` and ``cpd-static`` of each cell from an earlier
+grid's ``DIR/cells/`` (same experiment, cell and seeds) and searches only adaptive ``cpd``: after a
+change to the adaptive policy alone, a quarter of the work. Valid only while the baselines' code
+path is unchanged since that grid (check: rerun one baseline search, compare the figures).
 """
 from __future__ import annotations
 
@@ -84,6 +89,21 @@ def cell_result(res: dict) -> dict:
                            for c in (*OTHERS, ADAPTIVE)},
             "best_other": best_other, "ratio": rnd(ci["mean"], 4), "ratio_ci": [rnd(ci["lo"], 4), rnd(ci["hi"], 4)],
             "ratio_per_seed": [rnd(r, 4) for r in ratios], "seeds": res["seeds"]}
+
+
+def _compare_cell(e: dict, seeds: int, jobs: int, baselines: Path | None) -> dict:
+    """:func:`cpd.sim.sweep.compare` of the four configurations, or of adaptive ``cpd`` alone with the
+    others' saturations read from ``baselines`` (an earlier grid's cell file for the same key)."""
+    if baselines is None:
+        return compare(e, [*OTHERS, ADAPTIVE], seeds, jobs)
+    if not baselines.exists():
+        raise SystemExit(f"--baselines-from: no cell {baselines} (another experiment, cell or seed count?)")
+    old = json.loads(baselines.read_text())["result"]
+    res = compare(e, [ADAPTIVE], seeds, jobs)
+    if list(old["seeds"]) != list(res["seeds"]):
+        raise SystemExit(f"--baselines-from: {baselines} has seeds {old['seeds']}, this run {res['seeds']}")
+    res["configs"].update({c: old["saturation"][c] for c in OTHERS})
+    return res
 
 
 def _label(cell: dict) -> str:
@@ -156,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cold", default=None, help="comma-separated cold fractions (default: the grid's)")
     ap.add_argument("--ttft", default=None, help="comma-separated TTFT SLOs in s (default: the grid's)")
     ap.add_argument("--output", default=None, help="comma-separated output lengths (default: the grid's)")
+    ap.add_argument("--baselines-from", default=None, help="an earlier grid's DIR: take pd, pd-l3 and cpd-static "
+                                                           "from its cells, search only cpd")
     a = ap.parse_args(argv)
     base = load_experiment(a.experiment)
     if a.quick:
@@ -181,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(json.loads(f.read_text()))
             continue
         t = time.perf_counter()
-        res = compare(e, [*OTHERS, ADAPTIVE], seeds, a.jobs)
+        res = _compare_cell(e, seeds, a.jobs, Path(a.baselines_from) / "cells" / f.name if a.baselines_from else None)
         row = {"cell": cell, "result": cell_result(res)}
         f.write_text(json.dumps(row, sort_keys=True, indent=1) + "\n")
         rows.append(row)

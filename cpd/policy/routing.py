@@ -184,6 +184,9 @@ class WorkerLoad:
             measured. Rule A3 prices a heavy spill with it (:func:`_short_misses_expected`).
         short_work_per_s: the same dispatches' summed own-work estimates per second (the share of
             this worker that short work occupies); 0 when not measured.
+        heavy_arrivals_per_s, heavy_work_per_s: the same for heavy (``cold``) dispatches. Rule A3
+            prices what a request's work does to the arrivals of the pool it enters with both
+            (:func:`_expected_misses`).
     """
 
     worker_id: str
@@ -196,6 +199,8 @@ class WorkerLoad:
     pending_handoffs: int = 0
     short_arrivals_per_s: float = 0.0
     short_work_per_s: float = 0.0
+    heavy_arrivals_per_s: float = 0.0
+    heavy_work_per_s: float = 0.0
 
 
 class ArrivalRate:
@@ -738,50 +743,71 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
     return cfg.heavy_uncached_s if cfg.heavy_uncached_s is not None else HEAVY_SLO_SHARE * cfg.ttft_slo_s
 
 
-def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], home_wait_s: float,
-                           cfg: RoutingConfig) -> bool:
-    """Heavy work may enter the prefill pool on ``c`` only if it is expected to push less than one
-    short request past the SLO there (:func:`_short_misses_expected`, with the pool's smallest
-    queue after the spill, ``c``'s grown by this request's own work): a spill saves at most the
-    heavy request itself, so it may cost no more. That smallest queue must moreover be within
-    ``ttft_slo_s`` (short work arriving next still starts within the SLO somewhere in the pool).
+def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], best_home: _Candidate,
+                           home_pool: Sequence[_Candidate], cfg: RoutingConfig) -> bool:
+    """Heavy work may enter the prefill pool on ``c`` only if it is expected to push fewer
+    arrivals past the SLO there (:func:`_misses_caused`) than it saves: itself at most, plus the
+    arrivals its work would push past the SLO at home (priced on the prefill side only, before
+    session 21, the rule kept a 44 K-token prompt home whose own arrivals it then held past the
+    SLO: agent cold 0 / TTFT 0.5 s / output 100, seed 1, docs/sim_results/adaptive_grid/session20/).
+    The prefill pool's smallest queue after the spill
+    (``c``'s grown by this request's own work) must moreover be within ``ttft_slo_s`` (short work
+    arriving next still starts within the SLO somewhere in the pool).
 
     A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
     gains no goodput and only delays short work: it stays home, unless home would make it wait
-    more than :data:`HOPELESS_WAIT_FACTOR` times its own work (``home_wait_s``), when it may take
-    a prefill worker with nothing queued (below :data:`QUEUE_RESOLUTION_S`; short work arriving
-    next then waits at most this one request), at the same price. Without that bound it stayed
-    behind a pre-prefill queue of any length while a prefill worker idled (a live trial: TTFT up
-    to 36 s, the prefill worker idle); with no short traffic (that trial) it still spills."""
+    more than :data:`HOPELESS_WAIT_FACTOR` times its own work, when it may take a prefill worker
+    with nothing queued (below :data:`QUEUE_RESOLUTION_S`; short work arriving next then waits at
+    most this one request), at the same price. Without that bound it stayed behind a pre-prefill
+    queue of any length while a prefill worker idled (a live trial: TTFT up to 36 s, the prefill
+    worker idle); with no traffic behind it (that trial) it still spills."""
     lowest = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool)
     if lowest > cfg.ttft_slo_s:
-        hopeless = c.est.own_s > cfg.ttft_slo_s and home_wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
+        hopeless = c.est.own_s > cfg.ttft_slo_s and best_home.est.wait_s > HOPELESS_WAIT_FACTOR * c.est.own_s \
             and lowest <= c.est.own_s + QUEUE_RESOLUTION_S
         if not hopeless:
             return False
-    return _short_misses_expected(lowest, prefill_pool, cfg) < 1.0
+    return _misses_caused(c, prefill_pool, cfg) < 1.0 + _misses_caused(best_home, home_pool, cfg)
 
 
-def _short_misses_expected(queue_s: float, prefill_pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
-    """Short requests expected to miss the SLO behind a prefill-pool queue of ``queue_s`` (the
-    smallest after a heavy spill). A short request meets the SLO, with the estimate's error allowed
-    for, when the queue ahead of it is at most ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own
-    work (the pool's mean short estimate); the excess drains at ``1 - busy`` seconds per second,
-    where ``busy`` is the share of a worker that short work occupies (the short work arriving
-    meanwhile queues too; at least :data:`MIN_DRAIN_SHARE`), and every short request arriving
-    meanwhile (the pool's measured rate) misses. Without the drain and the error allowance (the
-    queue's excess over the SLO alone, the rule before session 20) two 44 K-token prompts spilled
-    onto the only prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 /
-    TTFT 1 s / output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at
-    0.4 s/s; docs/sim_results/adaptive_grid/session19/). With this price, on one commit: agent grid
-    cells passing 17 -> 20 of 24, one new miss (cold 0, TTFT 0.5 s: the price counts the short side
-    only; docs/sim_results/adaptive_grid/session20/)."""
-    rate = sum(p.load.short_arrivals_per_s for p in prefill_pool)
+def _expected_misses(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+    """Requests expected to miss ``ttft_slo_s`` if this short one runs on ``c`` (of ``pool``): itself
+    (its prediction above the plain SLO, the test its margin uses, :func:`_spill_margin`) plus the
+    arrivals its work pushes past the SLO (:func:`_misses_caused`). Short work moves to the other
+    pool where that is smaller, even without a faster TTFT: a short prompt of 4x the short mean on
+    a prefill worker that short turns kept 70 % busy cost the turns behind it the SLO (agent cold
+    0.03 / TTFT 2 s / output 100, seed 2, docs/sim_results/adaptive_grid/session20/)."""
+    own_miss = 1.0 if c.est.ttft_s > cfg.ttft_slo_s else 0.0
+    return own_miss + _misses_caused(c, pool, cfg)
+
+
+def _misses_caused(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+    """The arrivals at ``pool`` that this request's own work on ``c`` pushes past the SLO: the
+    expected misses behind the pool's smallest queue with it (:func:`_misses_behind`) minus those
+    without it."""
+    before = min(p.est.wait_s for p in pool)
+    after = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in pool)
+    return _misses_behind(after, pool, cfg) - _misses_behind(before, pool, cfg)
+
+
+def _misses_behind(queue_s: float, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+    """Requests expected to arrive at ``pool`` and miss the SLO behind a smallest queue of
+    ``queue_s``. An arrival meets the SLO, with the estimate's error allowed for, when the queue
+    ahead of it is at most ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own work (the pool's
+    mean dispatch estimate); the excess drains at ``1 - busy`` seconds per second, where ``busy``
+    is the share of a worker the pool's dispatches occupy (the work arriving meanwhile queues too;
+    at least :data:`MIN_DRAIN_SHARE`), and every request arriving meanwhile (the pool's measured
+    rate, short and heavy) misses. Without the drain and the error allowance (the queue's excess
+    over the SLO alone, the rule before session 20) two 44 K-token prompts spilled onto the only
+    prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 / TTFT 1 s /
+    output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at 0.4 s/s;
+    docs/sim_results/adaptive_grid/session19/)."""
+    rate = sum(p.load.short_arrivals_per_s + p.load.heavy_arrivals_per_s for p in pool)
     if rate <= 0.0:
         return 0.0
-    work_per_s = sum(p.load.short_work_per_s for p in prefill_pool)
+    work_per_s = sum(p.load.short_work_per_s + p.load.heavy_work_per_s for p in pool)
     bound_s = SLO_PREDICTION_SHARE * cfg.ttft_slo_s - work_per_s / rate
-    drain = max(MIN_DRAIN_SHARE, 1.0 - work_per_s / len(prefill_pool))
+    drain = max(MIN_DRAIN_SHARE, 1.0 - work_per_s / len(pool))
     return rate * max(0.0, queue_s - bound_s) / drain
 
 
@@ -817,11 +843,14 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
     if heavy:
         if _heavy_home_meets_slo(best_home, cfg):
             return best_home, DecisionReason.HOME, None
-        other = [c for c in other if _short_work_still_fits(c, other, best_home.est.wait_s, cfg)]
+        pool = other
+        other = [c for c in other if _short_work_still_fits(c, pool, best_home, home, cfg)]
     if other:
         best_other = _best(other)
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:
             return best_other, (DecisionReason.SPILL_COLD if heavy else DecisionReason.SPILL_WARM), None
+        if not heavy and _expected_misses(best_other, other, cfg) < _expected_misses(best_home, home, cfg):
+            return best_other, DecisionReason.SPILL_WARM, None
     return best_home, DecisionReason.HOME, None
 
 

@@ -343,13 +343,14 @@ class Router:
 
 def _worker_view(w: WorkerInfo) -> dict:
     """One worker in ``GET /cpd/workers``: registration, compatibility, the router's load bookkeeping
-    and the short-work rates routing rule A3 prices heavy spills with (as the policy's snapshot reads them)."""
+    and the short- and heavy-work rates routing rule A3 prices moves between pools with (as the policy's snapshot reads them)."""
     now = time.monotonic()
     return {"role": w.role, "url": w.url, "healthy": w.healthy, "state": w.state,
             "reason": w.refusal_reason, "max_model_len": w.max_model_len,
             "queued_prefill_tokens": w.queued_prefill_tokens, "queued_prefill_s": w.queued_prefill_s,
             "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
             "short_arrivals_per_s": w.short_rate.per_s(now), "short_work_per_s": w.short_rate.work_per_s(now),
+            "heavy_arrivals_per_s": w.heavy_rate.per_s(now), "heavy_work_per_s": w.heavy_rate.work_per_s(now),
             "load": w.last_load, "cost_prior": w.cost_prior, "last_role_change": w.last_role_change}
 
 

@@ -451,8 +451,8 @@ class CPDBackend:
         w.queued_prefill_tokens += n
         self._queue(w, body.request_id, est_s)
         w.running_requests += 1
-        if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:  # rule A3 prices spills with it
-            w.short_rate.observe(now, est_s)
+        if d.pool in PREFILL_SIDE_ROLES:  # rule A3 prices a pool's arrivals with them
+            (w.short_rate if d.request_class == RequestClass.WARM else w.heavy_rate).observe(now, est_s)
         dw = self.workers.by_id.get(d.decode_worker) if d.decode_worker is not None else None
         if dw is not None:  # routing rule 6: the decode worker counts the handoff it will receive
             dw.pending_handoffs += 1

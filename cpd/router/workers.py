@@ -52,6 +52,8 @@ class WorkerInfo:
         short_rate: short (``warm``) requests dispatched here, by their dispatch time on
             ``time.monotonic()`` with their own-work estimates (the snapshot's
             ``short_arrivals_per_s`` and ``short_work_per_s``, routing rule A3).
+        heavy_rate: the same for heavy (``cold``) requests (``heavy_arrivals_per_s``,
+            ``heavy_work_per_s``).
     """
 
     worker_id: str
@@ -73,6 +75,7 @@ class WorkerInfo:
     last_role_change: dict | None = None
     role_epoch: int = 0
     short_rate: ArrivalRate = field(default_factory=ArrivalRate)
+    heavy_rate: ArrivalRate = field(default_factory=ArrivalRate)
 
     @property
     def queued_prefill_s(self) -> float:
@@ -90,7 +93,9 @@ class WorkerInfo:
                           self.kv_usage, self.usable, queued_prefill_s=self.queued_prefill_s,
                           pending_handoffs=max(0, self.pending_handoffs),
                           short_arrivals_per_s=self.short_rate.per_s(now),
-                          short_work_per_s=self.short_rate.work_per_s(now))
+                          short_work_per_s=self.short_rate.work_per_s(now),
+                          heavy_arrivals_per_s=self.heavy_rate.per_s(now),
+                          heavy_work_per_s=self.heavy_rate.work_per_s(now))
 
 
 def _adopts_role(w: WorkerInfo, reported: Role) -> bool:

@@ -261,6 +261,7 @@ class _Inst:
     l3_deferred: bool = False  # L3 events wait in batches for the next flush (l3_events_next_flush)
     flushes: int = 0  # publishes so far (an idle flush scheduled before a later publish is stale)
     short_rate: ArrivalRate = field(default_factory=ArrivalRate)  # short dispatches here (rule A3)
+    heavy_rate: ArrivalRate = field(default_factory=ArrivalRate)  # heavy dispatches here (rule A3)
 
 
 class EngineSimulator:
@@ -462,7 +463,9 @@ class EngineSimulator:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=w.queued.queued_s(self.now),
                            pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now),
-                           short_work_per_s=w.short_rate.work_per_s(self.now))
+                           short_work_per_s=w.short_rate.work_per_s(self.now),
+                           heavy_arrivals_per_s=w.heavy_rate.per_s(self.now),
+                           heavy_work_per_s=w.heavy_rate.work_per_s(self.now))
                 for w in self.insts]
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
@@ -491,8 +494,8 @@ class EngineSimulator:
         w.queued_prefill_tokens += len(toks)
         w.queued.add(i, est_s)
         w.running_requests += 1
-        if d.request_class == RequestClass.WARM and d.pool in PREFILL_SIDE_ROLES:
-            w.short_rate.observe(now, est_s)
+        if d.pool in PREFILL_SIDE_ROLES:
+            (w.short_rate if d.request_class == RequestClass.WARM else w.heavy_rate).observe(now, est_s)
         if not d.decode_append and d.decode_worker is not None:
             self.by_id[d.decode_worker].pending_handoffs += 1
         rec = self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,

@@ -140,12 +140,14 @@ def main(argv: list[str] | None = None) -> None:
                                                           "rule) instead of the experiment's load grid")
     ap.add_argument("--quick", action="store_true", help="short points (cpd.sim.experiment.QUICK_WINDOWS); "
                                                          "implies --search")
+    ap.add_argument("--configs", default="pd,cpd-static,pd-l3,cpd",
+                    help="comma-separated configurations (default all four; the gains need pd, cpd-static, pd-l3)")
     a = ap.parse_args(argv)
     exp = load_experiment(a.experiment)
     if a.quick:
         exp = with_overrides(exp, QUICK_WINDOWS)
-    s = run_sensitivity(exp, steady_s=a.steady_s, jobs=a.jobs, progress=not a.no_progress, seeds=a.seeds,
-                        search=a.search or a.quick)
+    s = run_sensitivity(exp, configs=tuple(a.configs.split(",")), steady_s=a.steady_s, jobs=a.jobs,
+                        progress=not a.no_progress, seeds=a.seeds, search=a.search or a.quick)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(s, sort_keys=True, indent=1) + "\n")
