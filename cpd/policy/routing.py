@@ -96,12 +96,18 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
     anywhere and spills only to a prefill worker with nothing queued, once home would make it
     wait more than ``HOPELESS_WAIT_FACTOR`` times its own work), and only while it is expected to
-    push less than one short request past the SLO (a spill saves at most the heavy request
-    itself): the prefill pool's measured short arrivals (``short_arrivals_per_s``, summed) times
-    the time that smallest queue stays above what a short request can wait and still meet the
-    SLO with the estimate's error allowed for (``SLO_PREDICTION_SHARE * ttft_slo_s`` minus the
-    mean short estimate), the excess draining at ``1 - busy`` seconds per second while short
-    work (``short_work_per_s``) keeps arriving (:func:`_short_misses_expected`). An empty home
+    push fewer arrivals past the SLO in the prefill pool than it saves: itself at most, plus the
+    arrivals its work would push past the SLO at home. A pool's misses behind a queue
+    (:func:`_misses_behind`): its measured arrivals (``short_arrivals_per_s`` +
+    ``heavy_arrivals_per_s``, summed) times the time its smallest queue stays above what an
+    arrival can wait and still meet the SLO with the estimate's error allowed for
+    (``SLO_PREDICTION_SHARE * ttft_slo_s`` minus the mean dispatch estimate), the excess draining
+    at ``1 - busy`` seconds per second while that work keeps arriving; what a request causes is
+    that with its work minus without (:func:`_misses_caused`). The same price moves short work
+    the other way: a short request whose home pool's best would keep it (by the margin) goes to
+    the pre-prefill pool's best where its expected misses there, its own on the plain SLO plus
+    those it causes, are fewer than home's (:func:`_expected_misses`): a short prompt many times
+    the short mean leaves a congested prefill pool. An empty home
     pool falls back to the other (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -181,12 +187,10 @@ class WorkerLoad:
             join this worker's batch, so the decode choice (rule 6) counts them.
         short_arrivals_per_s: prefill-side workers: short (``warm``) requests the caller dispatched
             to this worker per second over its recent window (:class:`ArrivalRate`); 0 when not
-            measured. Rule A3 prices a heavy spill with it (:func:`_short_misses_expected`).
+            measured. Rule A3 prices moves between the pools with it (:func:`_misses_behind`).
         short_work_per_s: the same dispatches' summed own-work estimates per second (the share of
             this worker that short work occupies); 0 when not measured.
-        heavy_arrivals_per_s, heavy_work_per_s: the same for heavy (``cold``) dispatches. Rule A3
-            prices what a request's work does to the arrivals of the pool it enters with both
-            (:func:`_expected_misses`).
+        heavy_arrivals_per_s, heavy_work_per_s: the same for heavy (``cold``) dispatches.
     """
 
     worker_id: str
@@ -635,10 +639,10 @@ arriving there: on the Claude Code sessions (TTFT 0.5 s, seed 2, 4.0 QPS/GPU) th
 1.0-1.8 s prompts past a 2-13 s pre-prefill queue held the only prefill worker while short work
 arrived at ~12/s (38 of the 39 requests adaptive lost to cpd-static were short ones there; goodput
 0.880 vs 0.911); so the spill also needs the short work it is expected to
-push past the SLO to be under one request (:func:`_short_misses_expected`): 0.925 there, and no
+push past the SLO to be under one request (the price of :func:`_short_work_still_fits`): 0.925 there, and no
 Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/).
-It prices only the short side: a refused spill also keeps its work in the pre-prefill queue ahead of
-heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
+Priced on the short side only (until session 21; now home's arrivals count too), a refused spill
+also kept its work in the pre-prefill queue ahead of heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
 without the price at TTFT 2 s, still 1.04 of the best other; the 2.7 % it cost at 1 s came back with
 the residue fix, 4.1356 -> 4.2429 QPS/GPU). The estimate is not the request's time: a router cost
 model fitted to warm turns (the simulator's ``linear`` one before session 18, now ``linear-flat``:
@@ -657,12 +661,12 @@ Claude Code and Mooncake searches equal, two lower: cold 0.03 / 0.5 s seed 3, 0.
 cpd-static); a factor of 1 lowered the seed-3 cell to 0.4462 (docs/sim_results/adaptive_grid/session17/)."""
 
 MIN_DRAIN_SHARE = 0.1
-"""Rule A3 (:func:`_short_misses_expected`): the least share of a second by which a prefill queue is
-taken to drain per second when short work alone occupies nearly all of the worker (a queue that
-short work keeps full never drains; this bounds the price at ten times the excess)."""
+"""Rule A3 (:func:`_misses_behind`): the least share of a second by which a pool's queue is taken to
+drain per second when its arrivals occupy nearly all of its workers (a queue that arrivals keep
+full never drains; this bounds the price at ten times the excess)."""
 
 SHORT_ARRIVAL_WINDOW_S = 10.0
-"""Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``): long enough to count the
+"""Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``, ``heavy_arrivals_per_s``): long enough to count the
 tens of short requests per second that make a hopeless spill costly, short enough to follow the
 load a spill of 1-2 s meets."""
 

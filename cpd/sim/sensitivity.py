@@ -38,6 +38,17 @@ DEFAULT_ROWS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+DEFAULT_CONFIGS = ("pd", "cpd-static", "pd-l3", "cpd")
+
+
+def _earlier_row(earlier: dict, label: str, overrides: dict) -> dict:
+    """The row of an earlier study with this label and these overrides (an error names a mismatch)."""
+    for r in earlier["rows"]:
+        if r["label"] == label and r["overrides"] == overrides:
+            return r
+    raise ValueError(f"--earlier: no row {label!r} with overrides {overrides} in the earlier study")
+
+
 def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
     """A deep copy of ``exp`` with dotted-path keys set (:func:`cpd.sim.experiment.with_overrides`)."""
     return with_overrides(exp, overrides)
@@ -45,28 +56,39 @@ def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
 
 def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", "cpd"), steady_s: float | None = None,
                     jobs: int = 2, progress: bool = True, baseline: str = "pd", cpd: str = "cpd-static",
-                    pooled: str = "pd-l3", seeds: int | None = None, search: bool = False) -> dict[str, Any]:
+                    pooled: str = "pd-l3", seeds: int | None = None, search: bool = False,
+                    earlier: dict | None = None) -> dict[str, Any]:
     """One row per ``rows`` entry. ``search``: each configuration's saturation by the saturation
     search (:func:`cpd.sim.sweep.compare`, the adaptive grid's rule) instead of interpolation over
-    the experiment's load grid (:func:`cpd.sim.sweep.run_sweep`)."""
+    the experiment's load grid (:func:`cpd.sim.sweep.run_sweep`). ``earlier``: an earlier study's
+    result (same experiment, rows and settings) whose other configurations join each row, so that
+    after a change to one configuration's code only that one is run again."""
     rows = rows if rows is not None else DEFAULT_ROWS
     out = []
     for label, ov in rows:
         e = apply_overrides(exp, ov)
         if steady_s is not None:
             e["steady_s"] = steady_s
+        old = _earlier_row(earlier, label, ov) if earlier is not None else None
         sat, pts = (_searched if search else _swept)(e, list(configs), seeds, jobs, progress, baseline)
-        q = {c: sat[c]["qps_per_gpu"] for c in configs}
+        cold = round(sum(p["cold_fraction"] for p in pts) / len(pts), 3) if pts else None
+        if old is not None:
+            sat = {**{c: v for c, v in old["saturation"].items() if c not in sat}, **sat}
+            cold = cold if cold is not None else old["realised_cold_fraction"]
+        q = {c: sat[c]["qps_per_gpu"] for c in sat}
 
         def gain(a, b):
             return round(q[a] / q[b] - 1, 4) if (q.get(a) and q.get(b)) else None
         out.append({"label": label, "overrides": ov, "saturation": sat, "qps_per_gpu": q,
-                    "ci": {c: sat[c]["ci"] for c in configs},
-                    "at_least": {c: sat[c]["bounded"] == "at-least" for c in configs},
+                    "ci": {c: sat[c]["ci"] for c in sat},
+                    "at_least": {c: sat[c]["bounded"] == "at-least" for c in sat},
                     "gain_cpd_vs_baseline": gain(cpd, baseline), "gain_cpd_vs_pooled": gain(cpd, pooled),
-                    "gains_vs_baseline": {c: gain(c, baseline) for c in configs if c != baseline},
-                    "realised_cold_fraction": round(sum(p["cold_fraction"] for p in pts) / max(1, len(pts)), 3)})
-    return {"experiment": exp.get("name", ""), "configs": list(configs), "baseline": baseline, "cpd": cpd,
+                    "gains_vs_baseline": {c: gain(c, baseline) for c in sat if c != baseline},
+                    "isolation_over_pooled": gain(cpd, pooled),
+                    "adaptive_over_best_other": _over_best_other(q),
+                    "realised_cold_fraction": cold})
+    names = list(configs) if earlier is None else [c for c in DEFAULT_CONFIGS if c in out[0]["saturation"]]
+    return {"experiment": exp.get("name", ""), "configs": names, "baseline": baseline, "cpd": cpd,
             "pooled": pooled, "steady_s": steady_s or exp.get("steady_s"), "qps_per_gpu": exp["qps_per_gpu"],
             "seeds": seeds or exp.get("seeds", 3), "search": search, "rows": out}
 
@@ -78,15 +100,22 @@ def _swept(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseli
     return res["saturation"], [p for p in res["points"] if p["config"] == baseline]
 
 
+def _over_best_other(q: dict[str, float | None]) -> float | None:
+    """Adaptive ``cpd``'s saturation over the best of the others' (relative gain), None without them."""
+    others = [v for c, v in q.items() if c != "cpd" and v]
+    return round(q["cpd"] / max(others) - 1, 4) if q.get("cpd") and others else None
+
+
 def _searched(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str):
     """The same by :func:`cpd.sim.sweep.compare` (per-seed saturation searches)."""
     res = compare(e, configs, seeds, jobs)
     sat = {c: {"qps_per_gpu": d["saturation_qps_per_gpu"], "ci": d["ci"], "per_seed": d["per_seed"],
-               "bounded": "at-least" if d["at_least"] else ("below" if d["below_lowest"] else "interpolated")}
+               "bounded": "at-least" if d["at_least"] else ("below" if d["below_lowest"] else "interpolated"),
+               "busy_fraction_at_saturation": d["busy_fraction_at_saturation"]}
            for c, d in res["configs"].items()}
     if progress:
         print(" ".join(f"{c} {sat[c]['qps_per_gpu']}" for c in configs), flush=True)
-    return sat, res["configs"][baseline]["points"]
+    return sat, res["configs"].get(baseline, {}).get("points", [])
 
 
 def markdown_table(s: dict) -> str:
@@ -103,13 +132,15 @@ def markdown_table(s: dict) -> str:
     def g(v):
         return "n/a" if v is None else f"{v * 100:+.0f} %"
     others = [c for c in cfgs if c != b]
+    extra = [(f"{s['cpd']} vs {s['pooled']}", "isolation_over_pooled")] if {s["cpd"], s["pooled"]} <= set(cfgs) else []
+    extra += [("cpd vs best other", "adaptive_over_best_other")] if "cpd" in cfgs and len(cfgs) > 1 else []
     lines = ["| assumption (one change from the reference) | realised cold | " + " | ".join(cfgs) + " | "
-             + " | ".join(f"{c} vs {b}" for c in others) + " |",
-             "|---|---:|" + "---:|" * (len(cfgs) + len(others))]
+             + " | ".join([f"{c} vs {b}" for c in others] + [h for h, _ in extra]) + " |",
+             "|---|---:|" + "---:|" * (len(cfgs) + len(others) + len(extra))]
     for r in s["rows"]:
         gv = r.get("gains_vs_baseline", {})
         lines.append(f"| {r['label']} | {r['realised_cold_fraction']:.2f} | " + " | ".join(f(r, c) for c in cfgs)
-                     + " | " + " | ".join(g(gv.get(c)) for c in others) + " |")
+                     + " | " + " | ".join([g(gv.get(c)) for c in others] + [g(r.get(k)) for _, k in extra]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -140,14 +171,17 @@ def main(argv: list[str] | None = None) -> None:
                                                           "rule) instead of the experiment's load grid")
     ap.add_argument("--quick", action="store_true", help="short points (cpd.sim.experiment.QUICK_WINDOWS); "
                                                          "implies --search")
-    ap.add_argument("--configs", default="pd,cpd-static,pd-l3,cpd",
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help="comma-separated configurations (default all four; the gains need pd, cpd-static, pd-l3)")
+    ap.add_argument("--earlier", default=None, help="an earlier sensitivity.json (same experiment, rows and "
+                                                    "flags): its other configurations join each row")
     a = ap.parse_args(argv)
     exp = load_experiment(a.experiment)
     if a.quick:
         exp = with_overrides(exp, QUICK_WINDOWS)
+    earlier = json.loads(Path(a.earlier).read_text()) if a.earlier else None
     s = run_sensitivity(exp, configs=tuple(a.configs.split(",")), steady_s=a.steady_s, jobs=a.jobs,
-                        progress=not a.no_progress, seeds=a.seeds, search=a.search or a.quick)
+                        progress=not a.no_progress, seeds=a.seeds, search=a.search or a.quick, earlier=earlier)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sensitivity.json").write_text(json.dumps(s, sort_keys=True, indent=1) + "\n")

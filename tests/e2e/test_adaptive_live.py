@@ -247,6 +247,24 @@ def test_admission_answers_429_with_retry_after(pdl3_dep):
     assert _metric(dep, "cpd_requests_total", outcome="rejected") == codes.count(429)
 
 
+def test_workers_view_shows_the_heavy_dispatch_rates(pdl3_dep):
+    """Heavy dispatches are measured per prefill-side worker too (rule A3 prices what a request's
+    work does to a pool's arrivals, short and heavy): with a 1 ms TTFT SLO every prompt is heavy,
+    and after three of them ``/cpd/workers`` accounts for them where they ran."""
+    dep = pdl3_dep
+    ids = [complete(dep, random_prompt(400 + i, 200), 2)["id"] for i in range(3)]
+    view = httpx.get(f"{dep.url}/cpd/workers", timeout=5).json()
+    records = [routing_record(dep, i) for i in ids]
+    assert all(r["class"] == "cold" and r["pool"] == "prefill" for r in records), records
+    for wid in {r["prefill_worker"] for r in records}:
+        here = sum(r["prefill_worker"] == wid for r in records)
+        assert view[wid]["heavy_arrivals_per_s"] >= here / SHORT_ARRIVAL_WINDOW_S - 1e-9, (wid, view[wid])
+        assert view[wid]["heavy_work_per_s"] > 0.0, (wid, view[wid])
+    for w in view.values():
+        if w["role"] == "decode":
+            assert w["heavy_arrivals_per_s"] == 0.0 and w["heavy_work_per_s"] == 0.0, w
+
+
 def test_pd_l3_prefix_loaded_from_l3_by_the_other_worker(pdl3_dep, tiny_model_dir):
     """pd + write-through all: a prompt computed on one prefill worker is written to L3; with that
     worker gone, the other loads the prefix from L3 and returns the oracle's tokens."""

@@ -21,3 +21,25 @@ def test_a_search_row_is_the_saturation_search_of_each_configuration():
     assert r["saturation"]["pd"]["bounded"] == direct["bounded"]
     assert r["gain_cpd_vs_baseline"] == round(r["qps_per_gpu"]["cpd"] / r["qps_per_gpu"]["pd"] - 1, 4)
     assert 0 <= r["realised_cold_fraction"] <= 1
+
+
+def test_an_earlier_study_supplies_the_configurations_not_run_again():
+    """After a change to one configuration's code only that one runs again: ``earlier`` joins the
+    others' saturations (and the realised cold share of the baseline's points) to each row, and the
+    gains are computed on the merged row; a row the earlier study lacks is an error."""
+    import pytest
+
+    exp = with_overrides(load_experiment("reference_b200"), TINY)
+    rows = [("TTFT SLO 2 s", {"slo.ttft_s": 2.0})]
+    first = run_sensitivity(exp, rows=rows, configs=("pd",), search=True, progress=False, seeds=1, jobs=1)
+    again = run_sensitivity(exp, rows=rows, configs=("cpd",), search=True, progress=False, seeds=1, jobs=1,
+                            earlier=first)
+    r0, r = first["rows"][0], again["rows"][0]
+    assert again["configs"] == ["pd", "cpd"]
+    assert r["saturation"]["pd"] == r0["saturation"]["pd"]
+    assert r["realised_cold_fraction"] == r0["realised_cold_fraction"]
+    assert r["gains_vs_baseline"]["cpd"] == round(r["qps_per_gpu"]["cpd"] / r["qps_per_gpu"]["pd"] - 1, 4)
+    assert r["adaptive_over_best_other"] == round(r["qps_per_gpu"]["cpd"] / r["qps_per_gpu"]["pd"] - 1, 4)
+    with pytest.raises(ValueError, match="no row"):
+        run_sensitivity(exp, rows=[("TTFT SLO 1 s", {"slo.ttft_s": 1.0})], configs=("cpd",), search=True,
+                        progress=False, seeds=1, jobs=1, earlier=first)

@@ -287,6 +287,75 @@ def test_the_price_of_a_heavy_spill_grows_as_short_work_fills_the_worker():
         assert (d.pool == Role.PREFILL) is spills, excess
 
 
+def test_a_heavy_spill_also_counts_the_home_arrivals_its_work_would_hold_past_the_slo():
+    """The spill refused above (1.2 s onto a prefill worker whose short work it would push 3 requests
+    past the SLO) goes ahead when home's arrivals would pay more for keeping it: a pre-prefill
+    worker 80 % busy with heavy work arriving at 1/s, 8 s queued (past the bound already), holds
+    every arrival of the next 1.2 / (1 - 0.8) = 6 s past the SLO with it: 1 + 6 saved > 3 caused.
+    The misses home has anyway (its queue is past the bound before) are not the request's."""
+    def route_with(heavy_rate: float, heavy_work_per_s: float) -> RouteDecision:
+        ws = [dataclasses.replace(_w("pp0", Role.PRE_PREFILL, 8.0), heavy_arrivals_per_s=heavy_rate,
+                                  heavy_work_per_s=heavy_work_per_s), _w("d0", Role.DECODE),
+              dataclasses.replace(_w("p0", Role.PREFILL, 0.5), short_arrivals_per_s=5.0, short_work_per_s=0.5)]
+        return route(SPILLABLE, PrefixMatch(), ws, CFG, COST)
+
+    spilled = route_with(1.0, 0.8)
+    assert (spilled.pool, spilled.prefill_worker, spilled.reason) == (Role.PREFILL, "p0", DecisionReason.SPILL_COLD)
+    quiet = route_with(0.1, 0.1)  # 0.1 / 0.9 x 1.2 = 0.13 home arrivals held: 1.13 saved < 3 caused
+    assert (quiet.pool, quiet.reason) == (Role.PRE_PREFILL, DecisionReason.HOME)
+
+
+def _short_with_congested_prefill(num_new_tokens: int, prefill_queue_s: float) -> RouteDecision:
+    """A short request (``num_new_tokens`` past a 3136-token cached prefix) against the only prefill
+    worker, ``prefill_queue_s`` queued, short work arriving at 8/s and keeping it 70 % busy (mean
+    estimate 0.0875 s, bound 0.75 x 2 - 0.0875 = 1.4125 s), and a pre-prefill worker 3 s behind with
+    no measured arrivals."""
+    ws = [_w("pp0", Role.PRE_PREFILL, 3.0), _w("d0", Role.DECODE),
+          dataclasses.replace(_w("p0", Role.PREFILL, prefill_queue_s), short_arrivals_per_s=8.0,
+                              short_work_per_s=0.7)]
+    return route(3136 + num_new_tokens, PrefixMatch(l1={"p0": 196, "pp0": 196}), ws, CFG, COST)
+
+
+def test_short_work_leaves_a_congested_prefill_pool_where_it_costs_fewer_misses():
+    """Short work may leave home without a faster TTFT: on a prefill worker past its bound a short
+    request of 0.4 s meets its own SLO (1.5 + 0.4 < 2 s) but holds the turns arriving in the next
+    0.4 / 0.3 s past it (8/s: ~10.7 requests); on the pre-prefill worker it misses (3.4 s), which
+    costs one. It goes there (``spill-warm``). Below the bound (0.8 s queued: 1.2 s with it) it
+    costs nothing at home and stays. The price does not look at size, only at misses: a turn of
+    0.064 s that would take a queue of 1.4 s past the bound (1.464 s: 8 x 0.0515 / 0.3 = 1.37 held)
+    leaves too (1 < 1.37), and stays where it keeps the queue under it (1.3 s)."""
+    d = _short_with_congested_prefill(400, 1.5)
+    assert d.request_class == RequestClass.WARM
+    assert (d.pool, d.prefill_worker, d.reason) == (Role.PRE_PREFILL, "pp0", DecisionReason.SPILL_WARM)
+    assert d.estimated_ttft_s > CFG.ttft_slo_s
+    calm = _short_with_congested_prefill(400, 0.8)
+    assert (calm.pool, calm.reason) == (Role.PREFILL, DecisionReason.HOME)
+    turn = _short_with_congested_prefill(64, 1.4)
+    assert (turn.pool, turn.reason) == (Role.PRE_PREFILL, DecisionReason.SPILL_WARM)
+    under = _short_with_congested_prefill(64, 1.3)
+    assert (under.pool, under.reason) == (Role.PREFILL, DecisionReason.HOME)
+
+
+@settings(max_examples=300, deadline=None)
+@given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), extra=st.floats(0, 5), heavy=st.booleans(),
+       rates=st.tuples(st.floats(0, 20), st.floats(0, 1.5), st.floats(0, 20), st.floats(0, 1.5)))
+def test_a_priced_spill_is_monotone_in_the_home_queue(home_q, other_q, extra, heavy, rates):
+    """With measured arrivals on both pools (the price active both ways) a longer home queue still
+    never turns a spill back home."""
+    n, match = (SPILLABLE, PrefixMatch()) if heavy else (SHORT_TOKENS, _short_match())
+    home, other = (Role.PRE_PREFILL, Role.PREFILL) if heavy else (Role.PREFILL, Role.PRE_PREFILL)
+    hr, hw, orate, ow = rates
+
+    def pool(q: float) -> Role:
+        ws = [dataclasses.replace(_w("h", home, q), short_arrivals_per_s=hr, short_work_per_s=hw),
+              dataclasses.replace(_w("o", other, other_q), short_arrivals_per_s=orate, short_work_per_s=ow),
+              _w("d0", Role.DECODE)]
+        return route(n, match, ws, CFG, COST).pool
+
+    if pool(home_q) == other:
+        assert pool(home_q + extra) == other
+
+
 @settings(max_examples=300, deadline=None)
 @given(home_q=st.floats(0, 20), other_q=st.floats(0, 20), heavy=st.booleans())
 def test_spill_needs_more_than_the_margin_and_heavy_work_a_missed_slo(home_q, other_q, heavy):
