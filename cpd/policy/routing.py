@@ -639,7 +639,7 @@ arriving there: on the Claude Code sessions (TTFT 0.5 s, seed 2, 4.0 QPS/GPU) th
 1.0-1.8 s prompts past a 2-13 s pre-prefill queue held the only prefill worker while short work
 arrived at ~12/s (38 of the 39 requests adaptive lost to cpd-static were short ones there; goodput
 0.880 vs 0.911); so the spill also needs the short work it is expected to
-push past the SLO to be under one request (the price of :func:`_short_work_still_fits`): 0.925 there, and no
+push past the SLO to be under one request (the price of :func:`_heavy_spill_pays`): 0.925 there, and no
 Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/).
 Priced on the short side only (until session 21; now home's arrivals count too), a refused spill
 also kept its work in the pre-prefill queue ahead of heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
@@ -747,7 +747,7 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
     return cfg.heavy_uncached_s if cfg.heavy_uncached_s is not None else HEAVY_SLO_SHARE * cfg.ttft_slo_s
 
 
-def _short_work_still_fits(c: _Candidate, prefill_pool: Sequence[_Candidate], best_home: _Candidate,
+def _heavy_spill_pays(c: _Candidate, prefill_pool: Sequence[_Candidate], best_home: _Candidate,
                            home_pool: Sequence[_Candidate], cfg: RoutingConfig) -> bool:
     """Heavy work may enter the prefill pool on ``c`` only if it is expected to push fewer
     arrivals past the SLO there (:func:`_misses_caused`) than it saves: itself at most, plus the
@@ -847,8 +847,8 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
     if heavy:
         if _heavy_home_meets_slo(best_home, cfg):
             return best_home, DecisionReason.HOME, None
-        pool = other
-        other = [c for c in other if _short_work_still_fits(c, pool, best_home, home, cfg)]
+        prefill_pool = other
+        other = [c for c in other if _heavy_spill_pays(c, prefill_pool, best_home, home, cfg)]
     if other:
         best_other = _best(other)
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:
