@@ -9,10 +9,12 @@ Deterministic, like every sweep: the same inputs give the same table.
     python -m cpd.sim.sensitivity reference_b200 --out docs/sim_results --steady-s 120 --seeds 3
 
 writes ``sensitivity.json`` and ``sensitivity.md`` (the table; the prose around it lives in
-``docs/sim_results/report.md``).
+``docs/sim_results/report.md``); each finished row is kept in ``OUT/rows/`` and read back by a rerun
+with the same inputs (a study stopped part-way, e.g. by the kernel's OOM killer, resumes).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -57,12 +59,14 @@ def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
 def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", "cpd"), steady_s: float | None = None,
                     jobs: int = 2, progress: bool = True, baseline: str = "pd", cpd: str = "cpd-static",
                     pooled: str = "pd-l3", seeds: int | None = None, search: bool = False,
-                    earlier: dict | None = None) -> dict[str, Any]:
+                    earlier: dict | None = None, cache_dir: Path | None = None) -> dict[str, Any]:
     """One row per ``rows`` entry. ``search``: each configuration's saturation by the saturation
     search (:func:`cpd.sim.sweep.compare`, the adaptive grid's rule) instead of interpolation over
     the experiment's load grid (:func:`cpd.sim.sweep.run_sweep`). ``earlier``: an earlier study's
     result (same experiment, rows and settings) whose other configurations join each row, so that
-    after a change to one configuration's code only that one is run again."""
+    after a change to one configuration's code only that one is run again. ``cache_dir``: each
+    row's runs are kept in ``cache_dir/rows/`` as they finish and read back on a rerun with the same
+    inputs (a study killed part-way resumes)."""
     rows = rows if rows is not None else DEFAULT_ROWS
     out = []
     for label, ov in rows:
@@ -70,8 +74,7 @@ def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", 
         if steady_s is not None:
             e["steady_s"] = steady_s
         old = _earlier_row(earlier, label, ov) if earlier is not None else None
-        sat, pts = (_searched if search else _swept)(e, list(configs), seeds, jobs, progress, baseline)
-        cold = round(sum(p["cold_fraction"] for p in pts) / len(pts), 3) if pts else None
+        sat, cold = _row_runs(e, list(configs), seeds, jobs, progress, baseline, search, cache_dir)
         if old is not None:
             sat = {**{c: v for c, v in old["saturation"].items() if c not in sat}, **sat}
             cold = cold if cold is not None else old["realised_cold_fraction"]
@@ -91,6 +94,25 @@ def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", 
     return {"experiment": exp.get("name", ""), "configs": names, "baseline": baseline, "cpd": cpd,
             "pooled": pooled, "steady_s": steady_s or exp.get("steady_s"), "qps_per_gpu": exp["qps_per_gpu"],
             "seeds": seeds or exp.get("seeds", 3), "search": search, "rows": out}
+
+
+def _row_runs(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str, search: bool,
+              cache_dir: Path | None) -> tuple[dict, float | None]:
+    """One row's saturations and the realised cold share of the baseline's points (None without
+    them), from ``cache_dir/rows/`` when this row ran before with the same inputs."""
+    f = None
+    if cache_dir is not None:
+        key = hashlib.sha256(json.dumps([e, configs, seeds, baseline, search], sort_keys=True).encode()).hexdigest()[:16]
+        f = cache_dir / "rows" / f"{key}.json"
+        if f.exists():
+            got = json.loads(f.read_text())
+            return got["saturation"], got["realised_cold_fraction"]
+    sat, pts = (_searched if search else _swept)(e, configs, seeds, jobs, progress, baseline)
+    cold = round(sum(p["cold_fraction"] for p in pts) / len(pts), 3) if pts else None
+    if f is not None:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"saturation": sat, "realised_cold_fraction": cold}, sort_keys=True, indent=1) + "\n")
+    return sat, cold
 
 
 def _swept(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str):
@@ -180,10 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.quick:
         exp = with_overrides(exp, QUICK_WINDOWS)
     earlier = json.loads(Path(a.earlier).read_text()) if a.earlier else None
-    s = run_sensitivity(exp, configs=tuple(a.configs.split(",")), steady_s=a.steady_s, jobs=a.jobs,
-                        progress=not a.no_progress, seeds=a.seeds, search=a.search or a.quick, earlier=earlier)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    s = run_sensitivity(exp, configs=tuple(a.configs.split(",")), steady_s=a.steady_s, jobs=a.jobs,
+                        progress=not a.no_progress, seeds=a.seeds, search=a.search or a.quick, earlier=earlier,
+                        cache_dir=out)
     (out / "sensitivity.json").write_text(json.dumps(s, sort_keys=True, indent=1) + "\n")
     flags = (" --quick" if a.quick else " --search" if a.search else "") + (f" --steady-s {a.steady_s:g}" if a.steady_s else "")
     md = render(s, f"--out {a.out}{flags}", a.experiment)

@@ -1,6 +1,8 @@
 """The sensitivity study's ``--search`` rows: each configuration's saturation by the same per-seed
 saturation search as the adaptive grid (``cpd.sim.sweep.search_saturation``), on the real
 engine-object simulator (tiny windows: a few seconds per search)."""
+import json
+
 from cpd.sim.experiment import load_experiment, with_overrides
 from cpd.sim.sensitivity import run_sensitivity
 from cpd.sim.sweep import search_saturation
@@ -43,3 +45,21 @@ def test_an_earlier_study_supplies_the_configurations_not_run_again():
     with pytest.raises(ValueError, match="no row"):
         run_sensitivity(exp, rows=[("TTFT SLO 1 s", {"slo.ttft_s": 1.0})], configs=("cpd",), search=True,
                         progress=False, seeds=1, jobs=1, earlier=first)
+
+
+def test_a_rerun_reads_finished_rows_back(tmp_path):
+    """Each finished row is kept under ``cache_dir/rows/``; a rerun with the same inputs reads it
+    back (a study killed part-way resumes) and gives the same result; other inputs run anew."""
+    exp = with_overrides(load_experiment("reference_b200"), TINY)
+    rows = [("TTFT SLO 2 s", {"slo.ttft_s": 2.0})]
+    kw = dict(rows=rows, configs=("pd",), search=True, progress=False, seeds=1, jobs=1, cache_dir=tmp_path)
+    first = run_sensitivity(exp, **kw)
+    kept = list((tmp_path / "rows").glob("*.json"))
+    assert len(kept) == 1
+    row = json.loads(kept[0].read_text())
+    assert row["saturation"]["pd"] == first["rows"][0]["saturation"]["pd"]
+    row["saturation"]["pd"]["qps_per_gpu"] = 9.99
+    kept[0].write_text(json.dumps(row))
+    assert run_sensitivity(exp, **kw)["rows"][0]["qps_per_gpu"]["pd"] == 9.99  # read back, not rerun
+    other = run_sensitivity(exp, **{**kw, "rows": [("TTFT SLO 1 s", {"slo.ttft_s": 1.0})]})
+    assert len(list((tmp_path / "rows").glob("*.json"))) == 2 and other["rows"][0]["label"] == "TTFT SLO 1 s"

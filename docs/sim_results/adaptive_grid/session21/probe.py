@@ -1,0 +1,67 @@
+"""Session 21 probe: adaptive cpd alone on one grid cell and seed, with rule A3's two-sided price as
+on main (``base``) or a variant monkeypatched into cpd.policy.routing:
+  ``no-short-move``  the heavy spill's two-sided price only (short work never moves by the price);
+  ``short-move-1``   short work moves only where it saves at least one expected miss;
+  ``heavy-short-side`` the heavy spill priced as in session 20 (misses behind the prefill pool
+                      after the spill < 1), the short move kept.
+PYTHONPATH=. .venv/bin/python docs/sim_results/adaptive_grid/session21/probe.py VARIANT OUT.jsonl SPEC...
+SPEC = agent:COLD:TTFT:OUT:SEED | mooncake:TTFT:OUT:SEED | claude-code:TTFT:OUT:SEED"""
+import json, sys, time
+sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")
+import adaptive_grid as G
+import cpd.policy.routing as R
+from cpd.sim.experiment import load_experiment, with_overrides
+from cpd.sim.sweep import search_saturation
+
+EXP = {"mooncake": "docs/sim_results/adaptive_grid/decode2_short.experiment.json",
+       "claude-code": "docs/sim_results/adaptive_grid/claude_code_grid/claude_code_sessions.experiment.json"}
+orig_expected = R._expected_misses
+
+
+def short_move_at_least(k):
+    def expected(c, pool, cfg):
+        # the move test compares other < home; adding k to the other side asks for k misses saved
+        v = orig_expected(c, pool, cfg)
+        return v + k if c.load.role == R.Role.PRE_PREFILL else v
+    return expected
+
+
+def heavy_short_side(c, prefill_pool, best_home, home_pool, cfg):
+    lowest = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool)
+    if lowest > cfg.ttft_slo_s:
+        hopeless = c.est.own_s > cfg.ttft_slo_s and best_home.est.wait_s > R.HOPELESS_WAIT_FACTOR * c.est.own_s \
+            and lowest <= c.est.own_s + R.QUEUE_RESOLUTION_S
+        if not hopeless:
+            return False
+    return R._misses_behind(lowest, prefill_pool, cfg) < 1.0
+
+
+def apply(variant):
+    if variant == "no-short-move":
+        R._expected_misses = short_move_at_least(float("inf"))
+    elif variant == "short-move-1":
+        R._expected_misses = short_move_at_least(1.0)
+    elif variant == "heavy-short-side":
+        R._heavy_spill_pays = heavy_short_side
+    elif variant != "base":
+        raise SystemExit(f"unknown variant {variant}")
+
+
+def experiment(spec):
+    f = spec.split(":")
+    if f[0] == "agent":
+        cell = {"workload": "agent", "cold": float(f[1]), "ttft_s": float(f[2]), "output": int(f[3])}
+        base = with_overrides(load_experiment("reference_b200"), G.QUICK_EXP)
+        return G.cell_experiment(base, cell), int(f[4])
+    cell = {"workload": f[0], "cold": None, "ttft_s": float(f[1]), "output": int(f[2])}
+    return G.cell_experiment(load_experiment(EXP[f[0]]), cell), int(f[3])
+
+
+apply(sys.argv[1])
+out = open(sys.argv[2], "a")
+for spec in sys.argv[3:]:
+    e, seed = experiment(spec)
+    t = time.time(); r = search_saturation(e, "cpd", seed)
+    out.write(json.dumps({"variant": sys.argv[1], "spec": spec, "sat": r["qps_per_gpu"],
+                          "pts": [(p["qps_per_gpu"], p["goodput"]) for p in r["points"]],
+                          "wall_s": round(time.time() - t, 1)}) + "\n"); out.flush()
