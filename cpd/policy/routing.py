@@ -106,8 +106,9 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     that with its work minus without (:func:`_misses_caused`). The same price moves short work
     the other way: a short request whose home pool's best would keep it (by the margin) goes to
     the pre-prefill pool's best where its expected misses there, its own on the plain SLO plus
-    those it causes, are fewer than home's (:func:`_expected_misses`): a short prompt many times
-    the short mean leaves a congested prefill pool. An empty home
+    those it causes, are fewer than home's (:func:`_expected_misses`), if it is *large*: its own
+    work above ``LARGE_SHORT_FACTOR`` (2) times the mean estimate of home's dispatches (a short
+    prompt many times the short mean leaves a congested prefill pool; a typical turn stays). An empty home
     pool falls back to the other (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -665,6 +666,19 @@ MIN_DRAIN_SHARE = 0.1
 drain per second when its arrivals occupy nearly all of its workers (a queue that arrivals keep
 full never drains; this bounds the price at ten times the excess)."""
 
+LARGE_SHORT_FACTOR = 2.0
+"""Rule A3's priced move of short work to the pre-prefill pool (:func:`_expected_misses`) applies only
+to short requests whose own work exceeds this many times the mean estimate of the home pool's
+dispatches (:func:`_large_short`): a FCFS queue's wait grows with the mean square of its work, so
+the requests many times the mean are the ones that hold the turns behind them, and moving a typical
+turn trades its own likely SLO for the price's rough estimate of the others'. Moving any short
+request by the price (no size test) cost adaptive 3-9 % on the Mooncake conversation trace at a
+0.5 s TTFT SLO (1.91, 1.97, 1.91 vs 2.02, 2.16, 2.05 QPS/GPU without the move; cpd / pd 1.35 on seed 2)
+and 12 % on agent cold 0.03 / 0.5 s / output 100, seed 2 (0.7167 vs 0.8158); with this factor:
+Mooncake 2.02, 2.12, 2.19, that agent seed 0.8158, and the move still takes the 44 K-token prompts
+(3.3x the short mean) off a congested prefill worker (agent cold 0.03 / 2 s / 100, seed 2: 1.0156
+vs 0.9269 without the move; docs/sim_results/adaptive_grid/session21/)."""
+
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``, ``heavy_arrivals_per_s``): long enough to count the
 tens of short requests per second that make a hopeless spill costly, short enough to follow the
@@ -785,6 +799,14 @@ def _expected_misses(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConf
     return own_miss + _misses_caused(c, pool, cfg)
 
 
+def _large_short(c: _Candidate, pool: Sequence[_Candidate]) -> bool:
+    """Short work on ``c`` is *large*: its own work exceeds :data:`LARGE_SHORT_FACTOR` times the mean
+    estimate of the pool's measured dispatches (never where none are measured)."""
+    rate = sum(p.load.short_arrivals_per_s + p.load.heavy_arrivals_per_s for p in pool)
+    work_per_s = sum(p.load.short_work_per_s + p.load.heavy_work_per_s for p in pool)
+    return rate > 0.0 and c.est.own_s > LARGE_SHORT_FACTOR * work_per_s / rate
+
+
 def _misses_caused(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
     """The arrivals at ``pool`` that this request's own work on ``c`` pushes past the SLO: the
     expected misses behind the pool's smallest queue with it (:func:`_misses_behind`) minus those
@@ -853,7 +875,8 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
         best_other = _best(other)
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:
             return best_other, (DecisionReason.SPILL_COLD if heavy else DecisionReason.SPILL_WARM), None
-        if not heavy and _expected_misses(best_other, other, cfg) < _expected_misses(best_home, home, cfg):
+        if not heavy and _large_short(best_home, home) \
+                and _expected_misses(best_other, other, cfg) < _expected_misses(best_home, home, cfg):
             return best_other, DecisionReason.SPILL_WARM, None
     return best_home, DecisionReason.HOME, None
 

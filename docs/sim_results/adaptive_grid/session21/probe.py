@@ -3,7 +3,9 @@ on main (``base``) or a variant monkeypatched into cpd.policy.routing:
   ``no-short-move``  the heavy spill's two-sided price only (short work never moves by the price);
   ``short-move-1``   short work moves only where it saves at least one expected miss;
   ``heavy-short-side`` the heavy spill priced as in session 20 (misses behind the prefill pool
-                      after the spill < 1), the short move kept.
+                      after the spill < 1), the short move kept;
+  ``short-move-large`` short work moves by the price only if its own work exceeds twice the mean
+                      estimate of its home pool's dispatches.
 PYTHONPATH=. .venv/bin/python docs/sim_results/adaptive_grid/session21/probe.py VARIANT OUT.jsonl SPEC...
 SPEC = agent:COLD:TTFT:OUT:SEED | mooncake:TTFT:OUT:SEED | claude-code:TTFT:OUT:SEED"""
 import json, sys, time
@@ -26,6 +28,18 @@ def short_move_at_least(k):
     return expected
 
 
+def short_move_large(factor):
+    def expected(c, pool, cfg):
+        v = orig_expected(c, pool, cfg)
+        if c.load.role != R.Role.PREFILL:
+            return v
+        rate = sum(p.load.short_arrivals_per_s + p.load.heavy_arrivals_per_s for p in pool)
+        work = sum(p.load.short_work_per_s + p.load.heavy_work_per_s for p in pool)
+        # home (prefill) side: the move is allowed only for requests above factor x the mean
+        return v if rate > 0 and c.est.own_s > factor * work / rate else float("-inf")
+    return expected
+
+
 def heavy_short_side(c, prefill_pool, best_home, home_pool, cfg):
     lowest = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool)
     if lowest > cfg.ttft_slo_s:
@@ -41,6 +55,8 @@ def apply(variant):
         R._expected_misses = short_move_at_least(float("inf"))
     elif variant == "short-move-1":
         R._expected_misses = short_move_at_least(1.0)
+    elif variant == "short-move-large":
+        R._expected_misses = short_move_large(2.0)
     elif variant == "heavy-short-side":
         R._heavy_spill_pays = heavy_short_side
     elif variant != "base":
