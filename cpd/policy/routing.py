@@ -96,19 +96,19 @@ A3. Spill-over with hysteresis. Short work goes where it finishes first: the oth
     this request included, ≤ ``ttft_slo_s``; a request whose own work exceeds the SLO misses it
     anywhere and spills only to a prefill worker with nothing queued, once home would make it
     wait more than ``HOPELESS_WAIT_FACTOR`` times its own work), and only while it is expected to
-    push fewer arrivals past the SLO in the prefill pool than it saves: itself at most, plus the
-    arrivals its work would push past the SLO at home. A pool's misses behind a queue
-    (:func:`_misses_behind`): its measured arrivals (``short_arrivals_per_s`` +
-    ``heavy_arrivals_per_s``, summed) times the time its smallest queue stays above what an
-    arrival can wait and still meet the SLO with the estimate's error allowed for
-    (``SLO_PREDICTION_SHARE * ttft_slo_s`` minus the mean dispatch estimate), the excess draining
-    at ``1 - busy`` seconds per second while that work keeps arriving; what a request causes is
-    that with its work minus without (:func:`_misses_caused`). The same price moves short work
-    the other way: a short request whose home pool's best would keep it (by the margin) goes to
-    the pre-prefill pool's best where its expected misses there, its own on the plain SLO plus
-    those it causes, are fewer than home's (:func:`_expected_misses`), if it is *large*: its own
-    work above ``LARGE_SHORT_FACTOR`` (2) times the mean estimate of home's dispatches (a short
-    prompt many times the short mean leaves a congested prefill pool; a typical turn stays). An empty home
+    push less than one short request past the SLO (a spill saves at most the heavy request
+    itself). A pool's misses behind a queue (:func:`_misses_behind`): its measured arrivals
+    (``short_arrivals_per_s``, for a heavy spill; + ``heavy_arrivals_per_s`` for a short move,
+    below; summed) times the time its smallest queue stays above what an arrival can wait and
+    still meet the SLO with the estimate's error allowed for (``SLO_PREDICTION_SHARE *
+    ttft_slo_s`` minus the mean dispatch estimate), the excess draining at ``1 - busy`` seconds per
+    second while that work keeps arriving. The same price moves short work the other way: a short
+    request whose home pool's best would keep it (by the margin) goes to the pre-prefill pool's
+    best where its expected misses there, its own on the plain SLO plus those its work causes
+    (with it minus without, :func:`_misses_caused`), are fewer than home's
+    (:func:`_expected_misses`), if it is *large*: its own work above ``LARGE_SHORT_FACTOR`` (2)
+    times the mean estimate of home's dispatches (a short prompt many times the short mean leaves
+    a congested prefill pool; a typical turn stays). An empty home
     pool falls back to the other (``fallback``). The margin makes the choice stable: a spilled request grows the other pool's
     queue, so spilling stops before the two pools' predictions cross, and a longer home queue
     never turns a spill back home. (Why short work is not held home until it misses the SLO: on
@@ -642,8 +642,8 @@ arrived at ~12/s (38 of the 39 requests adaptive lost to cpd-static were short o
 0.880 vs 0.911); so the spill also needs the short work it is expected to
 push past the SLO to be under one request (the price of :func:`_heavy_spill_pays`): 0.925 there, and no
 Claude Code search rerun below 1.03 of the best other (docs/sim_results/adaptive_grid/a3_session16/).
-Priced on the short side only (until session 21; now home's arrivals count too), a refused spill
-also kept its work in the pre-prefill queue ahead of heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
+It prices only the short side: a refused spill also keeps its work in the pre-prefill queue ahead of
+heavy requests that could still meet the SLO (Claude Code seed 1, output 400: 1.9 % under the figure
 without the price at TTFT 2 s, still 1.04 of the best other; the 2.7 % it cost at 1 s came back with
 the residue fix, 4.1356 -> 4.2429 QPS/GPU). The estimate is not the request's time: a router cost
 model fitted to warm turns (the simulator's ``linear`` one before session 18, now ``linear-flat``:
@@ -762,15 +762,21 @@ def heavy_uncached_s(cfg: RoutingConfig) -> float:
 
 
 def _heavy_spill_pays(c: _Candidate, prefill_pool: Sequence[_Candidate], best_home: _Candidate,
-                           home_pool: Sequence[_Candidate], cfg: RoutingConfig) -> bool:
-    """Heavy work may enter the prefill pool on ``c`` only if it is expected to push fewer
-    arrivals past the SLO there (:func:`_misses_caused`) than it saves: itself at most, plus the
-    arrivals its work would push past the SLO at home (priced on the prefill side only, before
-    session 21, the rule kept a 44 K-token prompt home whose own arrivals it then held past the
-    SLO: agent cold 0 / TTFT 0.5 s / output 100, seed 1, docs/sim_results/adaptive_grid/session20/).
-    The prefill pool's smallest queue after the spill
-    (``c``'s grown by this request's own work) must moreover be within ``ttft_slo_s`` (short work
-    arriving next still starts within the SLO somewhere in the pool).
+                      cfg: RoutingConfig) -> bool:
+    """Heavy work may enter the prefill pool on ``c`` only if it is expected to push less than one
+    short request past the SLO there (:func:`_misses_behind` of the pool's short arrivals, with
+    the pool's smallest queue after the spill, ``c``'s grown by this request's own work): a spill
+    saves at most the heavy request itself, so it may cost no more. That smallest queue must
+    moreover be within ``ttft_slo_s`` (short work arriving next still starts within the SLO
+    somewhere in the pool).
+
+    Priced both ways (the misses the spill causes, after minus before, over all the pool's
+    arrivals, against one plus those its work would cause at home) it spilled more where home is
+    congested and cost 3 agent seeds with cold work 12-23 % (cold 0.08 / 1 s / 100 seed 3: 0.7158
+    vs 0.9335 QPS/GPU; cold 0.03 / 1 s / 100 seed 2: 0.8286 vs 1.0027; cold 0.03 / 0.5 s / 100 seed
+    3: 0.7835 vs 0.8092) for one it gained (cold 0 / 0.5 s / 100 seed 1: 1.1808 vs 1.1339;
+    docs/sim_results/adaptive_grid/session21/): the home term, amplified by a home drain near
+    :data:`MIN_DRAIN_SHARE`, counts heavy arrivals that can spill themselves.
 
     A request whose own work alone exceeds the SLO misses it wherever it runs, so moving it
     gains no goodput and only delays short work: it stays home, unless home would make it wait
@@ -785,7 +791,7 @@ def _heavy_spill_pays(c: _Candidate, prefill_pool: Sequence[_Candidate], best_ho
             and lowest <= c.est.own_s + QUEUE_RESOLUTION_S
         if not hopeless:
             return False
-    return _misses_caused(c, prefill_pool, cfg) < 1.0 + _misses_caused(best_home, home_pool, cfg)
+    return _misses_behind(lowest, prefill_pool, cfg, heavy_too=False) < 1.0
 
 
 def _expected_misses(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
@@ -802,9 +808,16 @@ def _expected_misses(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConf
 def _large_short(c: _Candidate, pool: Sequence[_Candidate]) -> bool:
     """Short work on ``c`` is *large*: its own work exceeds :data:`LARGE_SHORT_FACTOR` times the mean
     estimate of the pool's measured dispatches (never where none are measured)."""
-    rate = sum(p.load.short_arrivals_per_s + p.load.heavy_arrivals_per_s for p in pool)
-    work_per_s = sum(p.load.short_work_per_s + p.load.heavy_work_per_s for p in pool)
+    rate, work_per_s = _arrivals(pool, heavy_too=True)
     return rate > 0.0 and c.est.own_s > LARGE_SHORT_FACTOR * work_per_s / rate
+
+
+def _arrivals(pool: Sequence[_Candidate], heavy_too: bool) -> tuple[float, float]:
+    """The pool's measured dispatches per second and their summed own-work estimates per second:
+    short ones, plus heavy ones with ``heavy_too``."""
+    rate = sum(p.load.short_arrivals_per_s + (p.load.heavy_arrivals_per_s if heavy_too else 0.0) for p in pool)
+    work = sum(p.load.short_work_per_s + (p.load.heavy_work_per_s if heavy_too else 0.0) for p in pool)
+    return rate, work
 
 
 def _misses_caused(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
@@ -816,9 +829,10 @@ def _misses_caused(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig
     return _misses_behind(after, pool, cfg) - _misses_behind(before, pool, cfg)
 
 
-def _misses_behind(queue_s: float, pool: Sequence[_Candidate], cfg: RoutingConfig) -> float:
+def _misses_behind(queue_s: float, pool: Sequence[_Candidate], cfg: RoutingConfig, heavy_too: bool = True) -> float:
     """Requests expected to arrive at ``pool`` and miss the SLO behind a smallest queue of
-    ``queue_s``. An arrival meets the SLO, with the estimate's error allowed for, when the queue
+    ``queue_s`` (its short arrivals, and with ``heavy_too`` its heavy ones: a heavy spill is priced
+    by the short work it holds, a short request's move by everyone it holds). An arrival meets the SLO, with the estimate's error allowed for, when the queue
     ahead of it is at most ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own work (the pool's
     mean dispatch estimate); the excess drains at ``1 - busy`` seconds per second, where ``busy``
     is the share of a worker the pool's dispatches occupy (the work arriving meanwhile queues too;
@@ -828,10 +842,9 @@ def _misses_behind(queue_s: float, pool: Sequence[_Candidate], cfg: RoutingConfi
     prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 / TTFT 1 s /
     output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at 0.4 s/s;
     docs/sim_results/adaptive_grid/session19/)."""
-    rate = sum(p.load.short_arrivals_per_s + p.load.heavy_arrivals_per_s for p in pool)
+    rate, work_per_s = _arrivals(pool, heavy_too)
     if rate <= 0.0:
         return 0.0
-    work_per_s = sum(p.load.short_work_per_s + p.load.heavy_work_per_s for p in pool)
     bound_s = SLO_PREDICTION_SHARE * cfg.ttft_slo_s - work_per_s / rate
     drain = max(MIN_DRAIN_SHARE, 1.0 - work_per_s / len(pool))
     return rate * max(0.0, queue_s - bound_s) / drain
@@ -870,7 +883,7 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
         if _heavy_home_meets_slo(best_home, cfg):
             return best_home, DecisionReason.HOME, None
         prefill_pool = other
-        other = [c for c in other if _heavy_spill_pays(c, prefill_pool, best_home, home, cfg)]
+        other = [c for c in other if _heavy_spill_pays(c, prefill_pool, best_home, cfg)]
     if other:
         best_other = _best(other)
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:

@@ -4,9 +4,10 @@ on main (``base``) or a variant monkeypatched into cpd.policy.routing:
   ``short-move-1``   short work moves only where it saves at least one expected miss;
   ``heavy-short-side`` the heavy spill priced as in session 20 (misses behind the prefill pool
                       after the spill < 1), the short move kept;
+  ``heavy-s20``      the heavy spill priced exactly as in session 20 (short arrivals only);
   ``short-move-large`` short work moves by the price only if its own work exceeds twice the mean
                       estimate of its home pool's dispatches.
-PYTHONPATH=. .venv/bin/python docs/sim_results/adaptive_grid/session21/probe.py VARIANT OUT.jsonl SPEC...
+PYTHONPATH=. .venv/bin/python docs/sim_results/adaptive_grid/session21/probe.py VARIANT[+VARIANT] OUT.jsonl SPEC...
 SPEC = agent:COLD:TTFT:OUT:SEED | mooncake:TTFT:OUT:SEED | claude-code:TTFT:OUT:SEED"""
 import json, sys, time
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")
@@ -50,13 +51,37 @@ def heavy_short_side(c, prefill_pool, best_home, home_pool, cfg):
     return R._misses_behind(lowest, prefill_pool, cfg) < 1.0
 
 
-def apply(variant):
+def heavy_s20(c, prefill_pool, best_home, home_pool, cfg):
+    """Session 20's heavy spill price exactly (6d3ad44): short arrivals only, absolute, < 1."""
+    lowest = min(p.est.wait_s + (c.est.own_s if p is c else 0.0) for p in prefill_pool)
+    if lowest > cfg.ttft_slo_s:
+        hopeless = c.est.own_s > cfg.ttft_slo_s and best_home.est.wait_s > R.HOPELESS_WAIT_FACTOR * c.est.own_s \
+            and lowest <= c.est.own_s + R.QUEUE_RESOLUTION_S
+        if not hopeless:
+            return False
+    rate = sum(p.load.short_arrivals_per_s for p in prefill_pool)
+    if rate <= 0.0:
+        return True
+    work = sum(p.load.short_work_per_s for p in prefill_pool)
+    bound = R.SLO_PREDICTION_SHARE * cfg.ttft_slo_s - work / rate
+    drain = max(R.MIN_DRAIN_SHARE, 1.0 - work / len(prefill_pool))
+    return rate * max(0.0, lowest - bound) / drain < 1.0
+
+
+def apply(variants):
+    for v in variants.split("+"):
+        apply_one(v)
+
+
+def apply_one(variant):
     if variant == "no-short-move":
         R._expected_misses = short_move_at_least(float("inf"))
     elif variant == "short-move-1":
         R._expected_misses = short_move_at_least(1.0)
     elif variant == "short-move-large":
         R._expected_misses = short_move_large(2.0)
+    elif variant == "heavy-s20":
+        R._heavy_spill_pays = heavy_s20
     elif variant == "heavy-short-side":
         R._heavy_spill_pays = heavy_short_side
     elif variant != "base":
