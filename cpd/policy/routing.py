@@ -798,7 +798,7 @@ def _expected_misses(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConf
     """Requests expected to miss ``ttft_slo_s`` if this short one runs on ``c`` (of ``pool``): itself
     (its prediction above the plain SLO, the test its margin uses, :func:`_spill_margin`) plus the
     arrivals its work pushes past the SLO (:func:`_misses_caused`). Short work moves to the other
-    pool where that is smaller, even without a faster TTFT: a short prompt of 4x the short mean on
+    pool where that is smaller, even without a faster TTFT: a short prompt of 3.3x the short mean on
     a prefill worker that short turns kept 70 % busy cost the turns behind it the SLO (agent cold
     0.03 / TTFT 2 s / output 100, seed 2, docs/sim_results/adaptive_grid/session20/)."""
     own_miss = 1.0 if c.est.ttft_s > cfg.ttft_slo_s else 0.0
@@ -832,12 +832,12 @@ def _misses_caused(c: _Candidate, pool: Sequence[_Candidate], cfg: RoutingConfig
 def _misses_behind(queue_s: float, pool: Sequence[_Candidate], cfg: RoutingConfig, heavy_too: bool = True) -> float:
     """Requests expected to arrive at ``pool`` and miss the SLO behind a smallest queue of
     ``queue_s`` (its short arrivals, and with ``heavy_too`` its heavy ones: a heavy spill is priced
-    by the short work it holds, a short request's move by everyone it holds). An arrival meets the SLO, with the estimate's error allowed for, when the queue
-    ahead of it is at most ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own work (the pool's
-    mean dispatch estimate); the excess drains at ``1 - busy`` seconds per second, where ``busy``
-    is the share of a worker the pool's dispatches occupy (the work arriving meanwhile queues too;
-    at least :data:`MIN_DRAIN_SHARE`), and every request arriving meanwhile (the pool's measured
-    rate, short and heavy) misses. Without the drain and the error allowance (the queue's excess
+    by the short work it holds, a short request's move by everyone it holds). An arrival meets the
+    SLO, with the estimate's error allowed for, when the queue ahead of it is at most
+    ``SLO_PREDICTION_SHARE * ttft_slo_s`` minus its own work (the mean estimate of those
+    arrivals); the excess drains at ``1 - busy`` seconds per second, where ``busy`` is the share of
+    a worker those arrivals occupy (the work arriving meanwhile queues too; at least
+    :data:`MIN_DRAIN_SHARE`), and every one arriving meanwhile (their measured rate) misses. Without the drain and the error allowance (the queue's excess
     over the SLO alone, the rule before session 20) two 44 K-token prompts spilled onto the only
     prefill worker within their own SLO held 37 warm turns past it (agent cold 0.03 / TTFT 1 s /
     output 100, seed 2: warm turns ~60 % of that worker, the 0.9 s backlog drained at 0.4 s/s;
