@@ -125,7 +125,8 @@ def _swept(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseli
 def _over_best_other(q: dict[str, float | None]) -> float | None:
     """Adaptive ``cpd``'s saturation over the best of the others' (relative gain), None without them."""
     others = [v for c, v in q.items() if c != "cpd" and v]
-    return round(q["cpd"] / max(others) - 1, 4) if q.get("cpd") and others else None
+    adaptive = q.get("cpd")
+    return round(adaptive / max(others) - 1, 4) if adaptive and others else None
 
 
 def _searched(e: dict, configs: list[str], seeds, jobs: int, progress: bool, baseline: str):
