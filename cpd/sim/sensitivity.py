@@ -56,7 +56,7 @@ def apply_overrides(exp: dict, overrides: dict[str, Any]) -> dict:
     return with_overrides(exp, overrides)
 
 
-def run_sensitivity(exp: dict, rows=None, configs=("pd", "cpd-static", "pd-l3", "cpd"), steady_s: float | None = None,
+def run_sensitivity(exp: dict, rows=None, configs=DEFAULT_CONFIGS, steady_s: float | None = None,
                     jobs: int = 2, progress: bool = True, baseline: str = "pd", cpd: str = "cpd-static",
                     pooled: str = "pd-l3", seeds: int | None = None, search: bool = False,
                     earlier: dict | None = None, cache_dir: Path | None = None) -> dict[str, Any]:
@@ -162,7 +162,8 @@ def markdown_table(s: dict) -> str:
              "|---|---:|" + "---:|" * (len(cfgs) + len(others) + len(extra))]
     for r in s["rows"]:
         gv = r.get("gains_vs_baseline", {})
-        lines.append(f"| {r['label']} | {r['realised_cold_fraction']:.2f} | " + " | ".join(f(r, c) for c in cfgs)
+        cold = "—" if r["realised_cold_fraction"] is None else f"{r['realised_cold_fraction']:.2f}"
+        lines.append(f"| {r['label']} | {cold} | " + " | ".join(f(r, c) for c in cfgs)
                      + " | " + " | ".join([g(gv.get(c)) for c in others] + [g(r.get(k)) for _, k in extra]) + " |")
     return "\n".join(lines) + "\n"
 

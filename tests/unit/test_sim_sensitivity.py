@@ -44,4 +44,6 @@ def test_markdown_table_formats_bounds():
                    "gains_vs_baseline": {"B": 2.2, "C": None}}]}
     t = markdown_table(s)
     assert "< 0.4" in t and ">= 1.60" in t and "0.50 [0.40, 0.60]" in t and "+220 %" in t and "n/a" in t
+    s["rows"][0]["realised_cold_fraction"] = None  # --configs without the baseline: no points to read it from
+    assert "| x | — |" in markdown_table(s)
 
