@@ -243,6 +243,25 @@ class ArrivalRate:
             self._work_s = 0.0  # no float residue of the running sum outlives its events
 
 
+class DispatchRates:
+    """A prefill-side worker's short and heavy dispatches over the last window, each class an
+    :class:`ArrivalRate` of its own-work estimates (rule A3 reads them as ``WorkerLoad``'s
+    ``short_*`` and ``heavy_*`` rates). The live router and the simulator keep one per worker."""
+
+    def __init__(self, window_s: float | None = None):
+        self.short = ArrivalRate(window_s)
+        self.heavy = ArrivalRate(window_s)
+
+    def observe(self, now_s: float, request_class: RequestClass, work_s: float) -> None:
+        (self.short if request_class == RequestClass.WARM else self.heavy).observe(now_s, work_s)
+
+    def load_fields(self, now_s: float) -> dict[str, float]:
+        """``short_arrivals_per_s``, ``short_work_per_s``, ``heavy_arrivals_per_s``,
+        ``heavy_work_per_s`` at ``now_s`` (keyword arguments of :class:`WorkerLoad`)."""
+        return {"short_arrivals_per_s": self.short.per_s(now_s), "short_work_per_s": self.short.work_per_s(now_s),
+                "heavy_arrivals_per_s": self.heavy.per_s(now_s), "heavy_work_per_s": self.heavy.work_per_s(now_s)}
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """Blocks of the request held per tier (visible blocks only), matched in the engine's

@@ -349,8 +349,7 @@ def _worker_view(w: WorkerInfo) -> dict:
             "reason": w.refusal_reason, "max_model_len": w.max_model_len,
             "queued_prefill_tokens": w.queued_prefill_tokens, "queued_prefill_s": w.queued_prefill_s,
             "running_requests": w.running_requests, "pending_handoffs": w.pending_handoffs,
-            "short_arrivals_per_s": w.short_rate.per_s(now), "short_work_per_s": w.short_rate.work_per_s(now),
-            "heavy_arrivals_per_s": w.heavy_rate.per_s(now), "heavy_work_per_s": w.heavy_rate.work_per_s(now),
+            **w.rates.load_fields(now),
             "load": w.last_load, "cost_prior": w.cost_prior, "last_role_change": w.last_role_change}
 
 

@@ -76,7 +76,7 @@ from cpd.router.protocol import BackendError, GenerationChunk, GenerationRequest
 from cpd.router.staging_release import StagingReleaser
 from cpd.router.timeouts import DispatchTimeouts
 from cpd.router.workers import WorkerInfo, WorkerSet
-from cpd.types import PREFILL_SIDE_ROLES, BlockHash, RequestClass, Role, Tier
+from cpd.types import PREFILL_SIDE_ROLES, BlockHash, Role, Tier
 
 if TYPE_CHECKING:
     from cpd.policy.role_window import RoleWindow
@@ -452,7 +452,7 @@ class CPDBackend:
         self._queue(w, body.request_id, est_s)
         w.running_requests += 1
         if d.pool in PREFILL_SIDE_ROLES:  # rule A3 prices a pool's arrivals with them
-            (w.short_rate if d.request_class == RequestClass.WARM else w.heavy_rate).observe(now, est_s)
+            w.rates.observe(now, d.request_class, est_s)
         dw = self.workers.by_id.get(d.decode_worker) if d.decode_worker is not None else None
         if dw is not None:  # routing rule 6: the decode worker counts the handoff it will receive
             dw.pending_handoffs += 1

@@ -18,7 +18,7 @@ import msgspec
 
 from cpd.messages.worker_api import LoadReport, decode_body
 from cpd.policy.prefill_queue import QueuedPrefills
-from cpd.policy.routing import ArrivalRate, WorkerLoad
+from cpd.policy.routing import DispatchRates, WorkerLoad
 from cpd.types import PREFILL_SIDE_ROLES, Role
 
 log = logging.getLogger("cpd.router")
@@ -49,11 +49,9 @@ class WorkerInfo:
             "reason", "at_unix_s"}``), None if none.
         role_epoch: bumped by every role change; a ``/load`` answer to a poll sent before the
             last change may predate it and never changes the role back.
-        short_rate: short (``warm``) requests dispatched here, by their dispatch time on
-            ``time.monotonic()`` with their own-work estimates (the snapshot's
-            ``short_arrivals_per_s`` and ``short_work_per_s``, routing rule A3).
-        heavy_rate: the same for heavy (``cold``) requests (``heavy_arrivals_per_s``,
-            ``heavy_work_per_s``).
+        rates: short (``warm``) and heavy (``cold``) requests dispatched here, by their dispatch
+            time on ``time.monotonic()`` with their own-work estimates (the snapshot's
+            ``short_*`` and ``heavy_*`` rates, routing rule A3).
     """
 
     worker_id: str
@@ -74,8 +72,7 @@ class WorkerInfo:
     cost_prior: dict | None = None
     last_role_change: dict | None = None
     role_epoch: int = 0
-    short_rate: ArrivalRate = field(default_factory=ArrivalRate)
-    heavy_rate: ArrivalRate = field(default_factory=ArrivalRate)
+    rates: DispatchRates = field(default_factory=DispatchRates)
 
     @property
     def queued_prefill_s(self) -> float:
@@ -91,11 +88,7 @@ class WorkerInfo:
         now = time.monotonic()
         return WorkerLoad(self.worker_id, Role(self.role), self.queued_prefill_tokens, self.running_requests,
                           self.kv_usage, self.usable, queued_prefill_s=self.queued_prefill_s,
-                          pending_handoffs=max(0, self.pending_handoffs),
-                          short_arrivals_per_s=self.short_rate.per_s(now),
-                          short_work_per_s=self.short_rate.work_per_s(now),
-                          heavy_arrivals_per_s=self.heavy_rate.per_s(now),
-                          heavy_work_per_s=self.heavy_rate.work_per_s(now))
+                          pending_handoffs=max(0, self.pending_handoffs), **self.rates.load_fields(now))
 
 
 def _adopts_role(w: WorkerInfo, reported: Role) -> bool:

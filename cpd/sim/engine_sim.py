@@ -34,7 +34,7 @@ from cpd.engine.scheduler import SchedulerConfig, blocks_for
 from cpd.kv.block_hash import hash_blocks_u32le
 from cpd.kv.events import KVEventBatch
 from cpd.policy.cost_model import RooflineCostModel
-from cpd.policy.routing import ArrivalRate, Overloaded, RoutingConfig, WorkerLoad, max_cached_blocks, route, work_s
+from cpd.policy.routing import DispatchRates, Overloaded, RoutingConfig, WorkerLoad, max_cached_blocks, route, work_s
 from cpd.policy.prefill_queue import QueuedPrefills
 from cpd.router.dispatch_records import observe_prefill
 from cpd.router.estimates import CostEstimates
@@ -42,7 +42,7 @@ from cpd.router.index import PrefixIndex
 from cpd.sim.core_share import CoreShare
 from cpd.sim.step_end_connector import StepEndL3Connector
 from cpd.sim.workload import SimRequest
-from cpd.types import PREFILL_SIDE_ROLES, RequestClass, Role, Tier
+from cpd.types import PREFILL_SIDE_ROLES, Role, Tier
 
 VOCAB = 1 << 17  # token ids of the synthetic blocks
 DECODE, PRE_PREFILL = "decode", "pre-prefill"  # roles (cpd.types.Role values)
@@ -260,8 +260,7 @@ class _Inst:
     transfers_reported: dict = field(default_factory=dict)  # tier -> (bytes, s) at the last answer
     l3_deferred: bool = False  # L3 events wait in batches for the next flush (l3_events_next_flush)
     flushes: int = 0  # publishes so far (an idle flush scheduled before a later publish is stale)
-    short_rate: ArrivalRate = field(default_factory=ArrivalRate)  # short dispatches here (rule A3)
-    heavy_rate: ArrivalRate = field(default_factory=ArrivalRate)  # heavy dispatches here (rule A3)
+    rates: DispatchRates = field(default_factory=DispatchRates)  # short and heavy dispatches here (rule A3)
 
 
 class EngineSimulator:
@@ -462,10 +461,7 @@ class EngineSimulator:
     def _loads(self) -> list[WorkerLoad]:
         return [WorkerLoad(w.wid, w.role, w.queued_prefill_tokens, w.running_requests,
                            w.engine.load_stats()["kv_usage"], True, queued_prefill_s=w.queued.queued_s(self.now),
-                           pending_handoffs=w.pending_handoffs, short_arrivals_per_s=w.short_rate.per_s(self.now),
-                           short_work_per_s=w.short_rate.work_per_s(self.now),
-                           heavy_arrivals_per_s=w.heavy_rate.per_s(self.now),
-                           heavy_work_per_s=w.heavy_rate.work_per_s(self.now))
+                           pending_handoffs=w.pending_handoffs, **w.rates.load_fields(self.now))
                 for w in self.insts]
 
     def _arrive(self, now: float, i: int, released: bool = False) -> None:
@@ -495,7 +491,7 @@ class EngineSimulator:
         w.queued.add(i, est_s)
         w.running_requests += 1
         if d.pool in PREFILL_SIDE_ROLES:
-            (w.short_rate if d.request_class == RequestClass.WARM else w.heavy_rate).observe(now, est_s)
+            w.rates.observe(now, d.request_class, est_s)
         if not d.decode_append and d.decode_worker is not None:
             self.by_id[d.decode_worker].pending_handoffs += 1
         rec = self.rec[i] = {"arrival": now, "cls": str(d.request_class), "pool": str(d.pool), "worker": w.wid,

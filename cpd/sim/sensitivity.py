@@ -87,7 +87,6 @@ def run_sensitivity(exp: dict, rows=None, configs=DEFAULT_CONFIGS, steady_s: flo
                     "at_least": {c: sat[c]["bounded"] == "at-least" for c in sat},
                     "gain_cpd_vs_baseline": gain(cpd, baseline), "gain_cpd_vs_pooled": gain(cpd, pooled),
                     "gains_vs_baseline": {c: gain(c, baseline) for c in sat if c != baseline},
-                    "isolation_over_pooled": gain(cpd, pooled),
                     "adaptive_over_best_other": _over_best_other(q),
                     "realised_cold_fraction": cold})
     names = list(configs) if earlier is None else [c for c in DEFAULT_CONFIGS if c in out[0]["saturation"]]
@@ -155,7 +154,7 @@ def markdown_table(s: dict) -> str:
     def g(v):
         return "n/a" if v is None else f"{v * 100:+.0f} %"
     others = [c for c in cfgs if c != b]
-    extra = [(f"{s['cpd']} vs {s['pooled']}", "isolation_over_pooled")] if {s["cpd"], s["pooled"]} <= set(cfgs) else []
+    extra = [(f"{s['cpd']} vs {s['pooled']}", "gain_cpd_vs_pooled")] if {s["cpd"], s["pooled"]} <= set(cfgs) else []
     extra += [("cpd vs best other", "adaptive_over_best_other")] if "cpd" in cfgs and len(cfgs) > 1 else []
     lines = ["| assumption (one change from the reference) | realised cold | " + " | ".join(cfgs) + " | "
              + " | ".join([f"{c} vs {b}" for c in others] + [h for h, _ in extra]) + " |",

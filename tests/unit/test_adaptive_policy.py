@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from cpd.policy.routing import (DECODE_APPEND_TPOT_SHARE, HEAVY_SLO_SHARE, HOPELESS_WAIT_FACTOR, LARGE_SHORT_FACTOR,
                                 MIN_DRAIN_SHARE,
                                 SHORT_ARRIVAL_WINDOW_S,
-                                SLO_PREDICTION_SHARE, ArrivalRate, DecisionReason, LinearCostModel, NoWorkerError, Overloaded,
+                                SLO_PREDICTION_SHARE, ArrivalRate, DecisionReason, DispatchRates, LinearCostModel, NoWorkerError, Overloaded,
                                 PrefixMatch, RouteDecision, RoutingConfig, WorkerLoad, heavy_uncached_s, route,
                                 work_s)
 from cpd.types import RequestClass, Role, RoutingMode, Topology, WriteThrough
@@ -243,6 +243,21 @@ def test_arrival_rate_counts_the_last_window():
     assert r.work_per_s(11.5) == pytest.approx(0.07)
     assert r.per_s(30.0) == 0.0 and r.work_per_s(30.0) == 0.0
     assert ArrivalRate().window_s == SHORT_ARRIVAL_WINDOW_S
+
+
+def test_dispatch_rates_count_each_class_apart_as_the_snapshot_reads_them():
+    """A worker's dispatches split by class into short and heavy rates (what the live router and the
+    simulator put into ``WorkerLoad``): two short dispatches of 0.1 s and one heavy of 1 s in a 10 s
+    window are 0.2/s and 0.02 s/s short, 0.1/s and 0.1 s/s heavy; the fields build a WorkerLoad."""
+    r = DispatchRates(window_s=10.0)
+    r.observe(0.0, RequestClass.WARM, 0.1)
+    r.observe(1.0, RequestClass.COLD, 1.0)
+    r.observe(2.0, RequestClass.WARM, 0.1)
+    f = r.load_fields(2.0)
+    assert f == pytest.approx({"short_arrivals_per_s": 0.2, "short_work_per_s": 0.02,
+                               "heavy_arrivals_per_s": 0.1, "heavy_work_per_s": 0.1})
+    assert WorkerLoad("p0", Role.PREFILL, **f).heavy_work_per_s == pytest.approx(0.1)
+    assert r.load_fields(30.0) == {k: 0.0 for k in f}
 
 
 def _heavy_spill_with_short_traffic(prefill_queue_s: float, rate: float, work_per_s: float) -> RouteDecision:

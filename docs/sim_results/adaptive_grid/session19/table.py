@@ -1,6 +1,8 @@
 """Session 19's grid on one commit (issue 11): the three grid runs' cells in one table and one heat map.
 
     cd docs/sim_results/adaptive_grid/session19 && ../../../../.venv/bin/python table.py > table.md
+    # another session's folder and runs (later sessions):
+    .venv/bin/python docs/sim_results/adaptive_grid/session19/table.py FOLDER RUN... > FOLDER/table.md
 
 Reads agent/, mooncake/ and claude_code/ (each a ``benchmarks/adaptive_grid.py --out`` folder; a run
 still in progress contributes the cells it has finished) and writes grid_heatmap.png beside this file.
@@ -77,4 +79,7 @@ def main(folder: Path = HERE, runs: tuple[str, ...] = RUNS) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2:
+        main(Path(sys.argv[1]).resolve(), tuple(sys.argv[2:]))
+    else:
+        main()
