@@ -698,6 +698,13 @@ Mooncake 2.02, 2.12, 2.19, that agent seed 0.8158, and the move still takes the 
 (3.3x the short mean) off a congested prefill worker (agent cold 0.03 / 2 s / 100, seed 2: 1.0156
 vs 0.9269 without the move; docs/sim_results/adaptive_grid/session21/)."""
 
+MISS_RESOLUTION = 1e-9
+"""Rule A3's priced short move needs fewer expected misses at the other pool by more than this: where
+both pools' queues are past their bounds and the request's own work is the same on both, the two
+prices are equal but for the rounding of (after - before), which must not decide (a property test
+found a longer home queue turning such a move back home: 17 arrivals/s on both pools, queues 2 and
+6 s). A billionth of a request is far below any price the rule acts on."""
+
 SHORT_ARRIVAL_WINDOW_S = 10.0
 """Window of :class:`ArrivalRate` (``WorkerLoad.short_arrivals_per_s``, ``heavy_arrivals_per_s``): long enough to count the
 tens of short requests per second that make a hopeless spill costly, short enough to follow the
@@ -908,7 +915,7 @@ def _choose_prefill_side(cands: Sequence[_Candidate], heavy: bool, cfg: RoutingC
         if best_other.est.ttft_s < (1.0 - _spill_margin(best_home, heavy, cfg)) * best_home.est.ttft_s:
             return best_other, (DecisionReason.SPILL_COLD if heavy else DecisionReason.SPILL_WARM), None
         if not heavy and _large_short(best_home, home) \
-                and _expected_misses(best_other, other, cfg) < _expected_misses(best_home, home, cfg):
+                and _expected_misses(best_other, other, cfg) < _expected_misses(best_home, home, cfg) - MISS_RESOLUTION:
             return best_other, DecisionReason.SPILL_WARM, None
     return best_home, DecisionReason.HOME, None
 
